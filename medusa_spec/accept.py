@@ -1,0 +1,74 @@
+"""Lossless acceptance on a candidate tree (see THEORY.md, "Lossless acceptance on a tree").
+
+At each visited node the base model's next token x is drawn from its processed distribution
+(argmax when greedy). If x is one of the node's children, the walk moves there; otherwise x is
+emitted as the bonus token and the step ends. Every emitted token is therefore an exact draw
+from the base model. Drawing one x per node up front is the same process, because a walk
+visits each node at most once; it makes acceptance a few tensor ops with no loop over nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not self.do_sample:
+            return
+        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature!r}; use do_sample=False for greedy")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 (or None to disable), got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (or None to disable), got {self.top_p!r}")
+
+
+def processed_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """[..., V] logits -> the distribution transformers samples from: temperature, then top-k,
+    then top-p (nucleus, keeping the smallest set with mass >= top_p; at least one token)."""
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p is not None and sampling.top_p < 1:
+        sorted_scores, order = scores.sort(dim=-1)
+        tail_mass = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = tail_mass <= 1 - sampling.top_p
+        remove[..., -1] = False
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def draw_targets(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The base model's next token at every node: logits [B, N, V] -> tokens [B, N]."""
+    if not sampling.do_sample:
+        return logits.argmax(dim=-1)
+    probs = processed_probs(logits, sampling)
+    return torch.multinomial(probs.flatten(0, -2), 1).view(probs.shape[:-1])
+
+
+def accept(node_tokens: torch.Tensor, target_tokens: torch.Tensor, tree: Tree):
+    """Walk the tree along the base model's own tokens.
+
+    node_tokens [B, N]: candidates (node 0 = root, already emitted); target_tokens [B, N]: the
+    base model's token after each node. Returns (last_node [B], accept_length [B]): the deepest
+    node reached, and how many candidates were accepted (its depth; the bonus token not counted).
+    """
+    # Node i is reached iff it and every ancestor below the root equal their parent's target.
+    matches = node_tokens == target_tokens[:, tree.parent]  # [B, N]
+    matches[:, 0] = True  # the root was emitted before this step
+    reached = (tree.tree_mask[None] & ~matches[:, None, :]).sum(-1) == 0  # [B, N]: no mismatched ancestor
+    # Siblings hold distinct tokens, so reached nodes form one chain; take its deepest.
+    accept_length, last_node = (reached * (tree.depth + 1)).max(dim=-1)
+    return last_node, accept_length - 1

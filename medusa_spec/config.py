@@ -1,0 +1,75 @@
+"""MedusaConfig: the head adapter's configuration, serialised to JSON beside its weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "medusa_config.json"
+
+
+@dataclass
+class MedusaConfig:
+    """What a set of Medusa heads is and which base model it belongs to.
+
+    Head k (0-based) predicts the token k + 2 positions after the hidden state it reads;
+    the base model's own LM head predicts the token 1 position ahead.
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    # True: heads project through the base model's LM head (no extra vocab-sized matrices).
+    # False: each head owns a projection initialised from the base output embedding (original Medusa).
+    share_lm_head: bool = True
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    base_model_name_or_path: str | None = None
+    # Default tree for generate(), as Medusa "choices" (rank paths); None = a built-in default.
+    tree: list[list[int]] | None = None
+    # Free-form figures from training (per-head accuracies, data size, ...).
+    metrics: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        for name in ("num_heads", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "num_heads" else 0):
+                raise ValueError(f"MedusaConfig.{name} must be an integer >= {1 if name == 'num_heads' else 0}, got {value!r}")
+        if self.tree is not None:
+            self.tree = [list(map(int, path)) for path in self.tree]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "MedusaConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            warnings.warn(f"{source}: ignoring unknown MedusaConfig keys {unknown} (written by a newer medusa_spec?)", stacklevel=2)
+        version = data.get("format_version", FORMAT_VERSION)
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            warnings.warn(f"{source}: format_version {version} is newer than this library's {FORMAT_VERSION}; upgrade medusa_spec", stacklevel=2)
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as err:  # e.g. a value of the wrong type in the JSON
+            raise ValueError(f"{source}: invalid MedusaConfig ({err})") from None
+
+    def to_json_file(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "MedusaConfig":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); re-save the adapter with save_heads()") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object of MedusaConfig fields")
+        return cls.from_dict(data, source=str(path))

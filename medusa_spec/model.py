@@ -1,0 +1,95 @@
+"""MedusaModel: a base causal LM plus Medusa heads; attach, save, load, generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import io
+from .accept import Sampling
+from .base import inspect_base_model, model_device_dtype
+from .config import MedusaConfig
+from .generate import GenerateOutput, generate
+from .heads import MedusaHeads
+from .tree import build_tree, default_tree
+
+
+class MedusaModel(nn.Module):
+    """`base_model` (any decoder-only transformers causal LM, untouched) with `heads` on its final hidden state."""
+
+    def __init__(self, base_model: nn.Module, config: MedusaConfig, heads: MedusaHeads):
+        super().__init__()
+        self.base_model = base_model
+        self.config = config
+        self.heads = heads
+        self.spec = inspect_base_model(base_model)
+
+    @classmethod
+    def from_base(cls, base_model: nn.Module, config: MedusaConfig | None = None) -> "MedusaModel":
+        """Attach freshly initialised heads to `base_model`."""
+        spec = inspect_base_model(base_model)
+        config = config or MedusaConfig()
+        _check_sizes(config, spec, source="MedusaConfig")
+        config = dataclasses.replace(config, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                                     base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path)
+        if config.tree is not None:
+            build_tree(config.tree, config.num_heads)  # validate now, not at the first generate()
+        heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers, config.share_lm_head)
+        heads.init_projections_from(base_model.get_output_embeddings())
+        device, dtype = model_device_dtype(base_model)
+        return cls(base_model, config, heads.to(device=device, dtype=dtype))
+
+    @classmethod
+    def from_pretrained(cls, base_model: nn.Module, path: str | Path) -> "MedusaModel":
+        """Load heads saved by `save_heads` onto `base_model` (sizes checked against it)."""
+        config, state_dict = io.load_adapter(path)
+        spec = inspect_base_model(base_model)
+        _check_sizes(config, spec, source=str(Path(path) / io.CONFIG_NAME))
+        if config.base_model_name_or_path and spec.name_or_path and config.base_model_name_or_path != spec.name_or_path:
+            warnings.warn(f"heads in {path} were trained for {config.base_model_name_or_path!r}, "
+                          f"not {spec.name_or_path!r}: acceptance may be poor", stacklevel=2)
+        model = cls.from_base(base_model, config)
+        io.load_state_dict_checked(model.heads, state_dict, path)
+        return model
+
+    def save_heads(self, path: str | Path) -> None:
+        """Write medusa_config.json + medusa_heads.safetensors (heads only) atomically."""
+        io.save_adapter(path, self.config, self.heads.state_dict())
+
+    def tree(self, tree=None):
+        """The Tree used by generate(): given choices, else the adapter's calibrated tree, else a default."""
+        choices = tree if tree is not None else (self.config.tree or default_tree(self.config.num_heads))
+        return build_tree(choices, self.config.num_heads)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, tree=None,
+                 streamer=None) -> GenerateOutput:
+        """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
+
+        eos_token_id / pad_token_id default to the base model's generation_config (pass
+        eos_token_id=[] to never stop early). `tree`: rank paths, or None for the adapter's
+        default; `[]` turns speculation off (one token per step, same loop).
+        """
+        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        gen_config = getattr(self.base_model, "generation_config", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(gen_config, "eos_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(gen_config, "pad_token_id", None)
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        self.heads.eval()
+        return generate(self.base_model, self.spec, self.heads, self.tree(tree), input_ids, attention_mask,
+                        max_new_tokens, sampling, eos, pad_token_id, streamer)
+
+
+def _check_sizes(config: MedusaConfig, spec, source: str) -> None:
+    for name, expected in (("hidden_size", spec.hidden_size), ("vocab_size", spec.vocab_size)):
+        got = getattr(config, name)
+        if got is not None and got != expected:
+            raise ValueError(f"{source}: heads have {name}={got} but the base model has {expected}; "
+                             f"these heads belong to another model ({config.base_model_name_or_path or 'unknown'})")

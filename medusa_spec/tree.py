@@ -1,0 +1,139 @@
+"""Candidate trees: Medusa "choices" -> the tensors the verifier and acceptance read. Pure.
+
+A tree is a list of rank paths: `[1, 0]` is the node reached by taking the first head's
+second-best token, then the second head's best. Node 0 is the root (the token the base
+model already chose); nodes are ordered by depth, so every parent precedes its children.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A candidate tree as tensors, N nodes including the root.
+
+    depth       [N]     0 for the root
+    parent      [N]     parent's node index (the root points at itself)
+    head        [N]     head whose top-k list gives the node's token (depth - 1; 0 for the root)
+    rank        [N]     rank of the node's token in that head's top-k list
+    tree_mask   [N, N]  tree_mask[i, j]: node j is node i or one of its ancestors
+    node_paths  [N, D+1] node_paths[i, d]: node i's ancestor at depth d; past depth[i] it repeats i
+    """
+
+    choices: tuple[tuple[int, ...], ...]
+    depth: torch.Tensor
+    parent: torch.Tensor
+    head: torch.Tensor
+    rank: torch.Tensor
+    tree_mask: torch.Tensor
+    node_paths: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.node_paths[0]) - 1
+
+    @property
+    def top_k(self) -> int:
+        """How many candidates per head the tree reads (0 for a root-only tree)."""
+        return max((path[-1] for path in self.choices), default=-1) + 1
+
+    def to(self, device: torch.device | str) -> "Tree":
+        return Tree(**{f.name: getattr(self, f.name).to(device) if f.name != "choices" else self.choices for f in fields(self)})
+
+
+def validate_choices(choices, num_heads: int | None = None, top_k: int | None = None) -> list[tuple[int, ...]]:
+    """Check a tree given as rank paths and return it sorted by (depth, path); raises ValueError."""
+    if not isinstance(choices, (list, tuple)):
+        raise ValueError(f"tree must be a list of rank paths such as [[0], [1], [0, 0]], got {type(choices).__name__}")
+    paths = []
+    for path in choices:
+        if not isinstance(path, (list, tuple)) or not path or not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+            raise ValueError(f"tree: each entry must be a non-empty list of integer ranks, got {path!r}")
+        if any(r < 0 for r in path):
+            raise ValueError(f"tree: ranks must be >= 0, got {list(path)}")
+        if top_k is not None and any(r >= top_k for r in path):
+            raise ValueError(f"tree: rank in {list(path)} is outside the top-{top_k} candidates; use ranks < {top_k}")
+        paths.append(tuple(path))
+    seen = set()
+    for path in paths:
+        if path in seen:
+            raise ValueError(f"tree: duplicate path {list(path)}; list every node once")
+        seen.add(path)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in seen:
+            raise ValueError(f"tree: path {list(path)} has no parent {list(path[:-1])}; every prefix of a path must be in the tree")
+        if num_heads is not None and len(path) > num_heads:
+            raise ValueError(f"tree: path {list(path)} is {len(path)} deep but there are only {num_heads} heads; "
+                             f"use paths of length <= {num_heads}")
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+def build_tree(choices, num_heads: int | None = None) -> Tree:
+    """Rank paths -> Tree (on CPU; move it with .to(device) once)."""
+    paths = validate_choices(choices, num_heads)
+    index = {(): 0} | {path: i + 1 for i, path in enumerate(paths)}
+    n = len(index)
+    max_depth = max((len(p) for p in paths), default=0)
+    depth = torch.zeros(n, dtype=torch.long)
+    parent = torch.zeros(n, dtype=torch.long)
+    head = torch.zeros(n, dtype=torch.long)
+    rank = torch.zeros(n, dtype=torch.long)
+    tree_mask = torch.eye(n, dtype=torch.bool)
+    node_paths = torch.zeros(n, max_depth + 1, dtype=torch.long)
+    for path, i in index.items():  # built once per tree, not per step
+        depth[i] = len(path)
+        node_paths[i, :] = i
+        if path:
+            parent[i] = index[path[:-1]]
+            head[i] = len(path) - 1
+            rank[i] = path[-1]
+        for d in range(len(path)):
+            ancestor = index[path[:d]]
+            tree_mask[i, ancestor] = True
+            node_paths[i, d] = ancestor
+    return Tree(tuple(paths), depth, parent, head, rank, tree_mask, node_paths)
+
+
+def grow_tree(rank_accuracy, num_nodes: int) -> list[list[int]]:
+    """Greedy sparse tree of `num_nodes` nodes (root included) maximising expected accepted length.
+
+    rank_accuracy[k][r] is the probability that head k's rank-r candidate is the right token
+    (for dependent heads: given that its parent was right). A node's value is the product of
+    the accuracies along its path; the expected accepted length is the sum of node values, and
+    since a child is never worth more than its parent, taking the best frontier node each time
+    yields a valid (prefix-closed) tree that is optimal for that sum.
+    """
+    num_heads = len(rank_accuracy)
+    chosen: list[list[int]] = []
+    frontier = [(-float(rank_accuracy[0][r]), (r,)) for r in range(len(rank_accuracy[0]))] if num_heads else []
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < num_nodes - 1:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(list(path))
+        if len(path) < num_heads:
+            for r, acc in enumerate(rank_accuracy[len(path)]):
+                heapq.heappush(frontier, (neg_value * float(acc), path + (r,)))
+    return chosen
+
+
+# Rank accuracies of the shape Medusa reports for chat models (top-1 of head k decaying with k,
+# lower ranks sharply less likely): only used to lay out the built-in default trees.
+_PRIOR_TOP1 = (0.6, 0.4, 0.3, 0.25, 0.2)
+_PRIOR_RANK_DECAY = (1.0, 0.25, 0.12, 0.07, 0.05, 0.035, 0.025, 0.02, 0.015, 0.01)
+
+DEFAULT_TREE_SIZES = (8, 16, 32, 64)
+
+
+def default_tree(num_heads: int, num_nodes: int = 16) -> list[list[int]]:
+    """A built-in tree of about `num_nodes` nodes (root included) for `num_heads` heads."""
+    prior = [[_PRIOR_TOP1[min(k, len(_PRIOR_TOP1) - 1)] * decay for decay in _PRIOR_RANK_DECAY] for k in range(num_heads)]
+    return grow_tree(prior, num_nodes)

@@ -1,0 +1,61 @@
+"""One forward pass of the base model over a block of new tokens arranged as a tree.
+
+The prompt (prefill) is the special case of a chain. Every cache slot carries a validity flag
+and a position, so rows of a batch may hold padding or rejected slots anywhere: a query sees
+a slot only if the slot is valid, is in its own tree ancestry, and (for sliding-window layers)
+lies within the window counted in positions, not in slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import BaseSpec
+
+
+def attention_masks(spec: BaseSpec, kv_valid, kv_pos, q_pos, block_mask, dtype: torch.dtype):
+    """Masks for a block of N queries over L = S past + N new slots.
+
+    kv_valid [B, L] bool, kv_pos [B, L] long, q_pos [B, N] long, block_mask [N, N] bool
+    (query i may see new slot j). Returns one [B, 1, N, L] mask, or a dict by layer type when
+    the model mixes full and sliding-window layers.
+    """
+    n = q_pos.shape[1]
+    past = kv_valid.shape[1] - n
+    allowed = kv_valid[:, None, :].expand(-1, n, -1).clone()
+    allowed[:, :, past:] &= block_mask
+    # Every query sees itself, so no row is empty (padding queries would give NaN in sdpa);
+    # a padding slot is never visible to any other query.
+    allowed[:, :, past:] |= torch.eye(n, dtype=torch.bool, device=allowed.device)
+
+    def finish(mask):
+        mask = mask[:, None]
+        if spec.bool_mask:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+    masks = {}
+    for layer_type in spec.layer_types:
+        mask = allowed
+        if layer_type == "sliding_attention":
+            mask = allowed & ((q_pos[:, :, None] - kv_pos[:, None, :]) < spec.sliding_window)
+        masks[layer_type] = finish(mask)
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids, q_pos, block_mask, cache, kv_valid, kv_pos,
+                  last_only: bool = False):
+    """Run the base model on input_ids [B, N] at positions q_pos [B, N] after the cached slots.
+
+    kv_valid / kv_pos [B, S + N] describe the cached slots followed by the new ones.
+    Returns (logits [B, N or 1, V], hidden [B, N, H]) where hidden is the final hidden state
+    after the model's last norm; the new keys and values are appended to `cache`.
+    """
+    dtype = base_model.get_output_embeddings().weight.dtype
+    mask = attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype)
+    extra = {"logits_to_keep": 1} if last_only and spec.takes_logits_to_keep else {}
+    out = base_model(input_ids=input_ids, attention_mask=mask, position_ids=q_pos, cache=cache, use_cache=True,
+                     output_hidden_states=True, return_dict=True, **extra)
+    logits = out.logits[:, -1:] if last_only else out.logits
+    return logits, out.hidden_states[-1]
