@@ -58,17 +58,19 @@ def draw_targets(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return torch.multinomial(probs.flatten(0, -2), 1).view(probs.shape[:-1])
 
 
-def accept(node_tokens: torch.Tensor, target_tokens: torch.Tensor, tree: Tree):
+def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, sampling: Sampling):
     """Walk the tree along the base model's own tokens.
 
-    node_tokens [B, N]: candidates (node 0 = root, already emitted); target_tokens [B, N]: the
-    base model's token after each node. Returns (last_node [B], accept_length [B]): the deepest
-    node reached, and how many candidates were accepted (its depth; the bonus token not counted).
+    node_tokens [B, N]: candidates (node 0 = root, already emitted); logits [B, N, V]: the base
+    model's logits after each node. Returns (last_node [B], accept_length [B], bonus [B]): the
+    deepest node reached, how many candidates were accepted (its depth; bonus not counted), and
+    the base model's token after it.
     """
+    targets = draw_targets(logits, sampling)  # [B, N]
     # Node i is reached iff it and every ancestor below the root equal their parent's target.
-    matches = node_tokens == target_tokens[:, tree.parent]  # [B, N]
+    matches = node_tokens == targets[:, tree.parent]
     matches[:, 0] = True  # the root was emitted before this step
     reached = (tree.tree_mask[None] & ~matches[:, None, :]).sum(-1) == 0  # [B, N]: no mismatched ancestor
     # Siblings hold distinct tokens, so reached nodes form one chain; take its deepest.
     accept_length, last_node = (reached * (tree.depth + 1)).max(dim=-1)
-    return last_node, accept_length - 1
+    return last_node, accept_length - 1, targets.gather(1, last_node[:, None])[:, 0]

@@ -140,12 +140,10 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module, tree: Tree
             logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, cache, kv_valid,
                                            torch.cat([slot_pos, q_pos], dim=1))
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
-            targets = draw_targets(logits, sampling)
-            last_node, accept_length = accept(node_tokens, targets, tree)
+            last_node, accept_length, bonus = accept(node_tokens, logits, tree, sampling)
             path = tree.node_paths[last_node]  # [B, D+1]: root, accepted nodes, then repeats
-            bonus = targets.gather(1, last_node[:, None])
-            new_tokens = torch.cat([node_tokens.gather(1, path)[:, 1:], bonus], dim=1)
-            new_tokens.scatter_(1, accept_length[:, None], bonus)
+            new_tokens = torch.cat([node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
+            new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
             accepted_at_depth += (accept_length[:, None] > torch.arange(tree.max_depth, device=device)).masked_fill(
                 finished[:, None], False).sum(0)
             count = emit(new_tokens, accept_length + 1)
@@ -161,7 +159,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module, tree: Tree
             slot_valid = torch.cat([slot_valid, slot_offsets < (accept_length + 1)[:, None]], dim=1)
             slot_pos = torch.cat([slot_pos, next_pos[:, None] + slot_offsets], dim=1)
             next_pos = next_pos + accept_length + 1
-            root = bonus[:, 0]
+            root = bonus
             last_hidden = hidden.gather(1, last_node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
 
     if streamer is not None:

@@ -1,0 +1,189 @@
+"""Greedy speculative generation is token-identical to transformers' greedy generate."""
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_spec import MedusaConfig, MedusaModel
+from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
+
+TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
+
+
+class OracleHeads(nn.Module):
+    """Test double for MedusaHeads that knows the greedy continuation: it finds which reference
+    position a hidden state belongs to (nearest recorded hidden state) and proposes the tokens
+    that follow. At every `sabotage`-th position the second head ranks a wrong token first and the
+    right one second, so branches other than rank 0 and partial acceptance are exercised too."""
+
+    def __init__(self, model, sequences, num_heads=4, sabotage=3):
+        super().__init__()
+        with torch.no_grad():
+            self.hidden = [model(s[None], output_hidden_states=True).hidden_states[-1][0] for s in sequences]
+        self.sequences, self.num_heads, self.sabotage = sequences, num_heads, sabotage
+
+    def forward(self, hidden, lm_head):
+        logits = torch.zeros(hidden.shape[0], self.num_heads, VOCAB)
+        for b, state in enumerate(hidden):
+            j = int((self.hidden[b] - state).norm(dim=-1).argmin())
+            for k in range(self.num_heads):
+                target = j + 2 + k  # head k predicts the token k+2 ahead of the position it reads
+                token = int(self.sequences[b][target]) if target < len(self.sequences[b]) else 3
+                logits[b, k, token] = 10.0
+                if k == 1 and j % self.sabotage == 0:
+                    logits[b, k, (token + 1) % VOCAB] = 11.0
+        return logits
+
+
+def reference_generate(model, input_ids, attention_mask=None, **kwargs):
+    with torch.no_grad():
+        return model.generate(input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
+
+
+def prompt(length=2 * WINDOW + 1, seed=0, batch=1):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def medusa(model, heads=None, num_heads=4, seed=0):
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=num_heads))
+    if heads is None:  # random heads: perturb the zero-initialised blocks
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in mm.heads.parameters():
+                p.normal_(0, 0.5)
+    else:
+        mm.heads = heads
+    return mm
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_identity_with_random_heads(arch):
+    model = tiny_model(arch)
+    ids = prompt()
+    expected = reference_generate(model, ids, max_new_tokens=30, eos_token_id=None)
+    out = medusa(model).generate(ids, max_new_tokens=30, eos_token_id=[], tree=TREE)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.new_tokens == [30]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_identity_with_heads_that_propose_long_runs(arch):
+    model = tiny_model(arch)
+    ids = prompt(seed=1)
+    expected = reference_generate(model, ids, max_new_tokens=40, eos_token_id=None)
+    mm = medusa(model, OracleHeads(model, expected))
+    out = mm.generate(ids, max_new_tokens=40, eos_token_id=[], tree=TREE)
+    assert torch.equal(out.sequences, expected)
+    # Multi-token acceptance and cache compaction really happened.
+    assert out.stats.tokens_per_step > 2.5, out.stats
+    assert out.stats.accepted_at_depth[3] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral", "gpt2", "opt"])
+def test_mixed_length_batch_equals_per_row_generation(arch):
+    model = tiny_model(arch)
+    lengths = [2 * WINDOW + 3, 4, WINDOW + 1]
+    rows = [prompt(n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):  # left padding
+        ids[b, width - len(row):] = row
+        mask[b, width - len(row):] = 1
+    per_row = [reference_generate(model, r[None], max_new_tokens=25, eos_token_id=None)[0, len(r):] for r in rows]
+    full_rows = [torch.cat([r, new]) for r, new in zip(rows, per_row)]
+    mm = medusa(model, OracleHeads(model, full_rows))
+    out = mm.generate(ids, attention_mask=mask, max_new_tokens=25, eos_token_id=[], tree=TREE)
+    for b in range(len(rows)):
+        assert torch.equal(out.sequences[b, width:], per_row[b]), f"row {b}"
+    assert out.stats.tokens_per_step > 2.0
+
+
+def test_eos_inside_accepted_path_stops_the_row():
+    model = tiny_model("llama")
+    ids = prompt(seed=4, batch=1)
+    free = reference_generate(model, ids, max_new_tokens=30, eos_token_id=None)
+    new = free[0, ids.shape[1]:]
+    eos = int(new[12])  # a token the oracle proposes in the middle of an accepted run
+    first = int((new == eos).nonzero()[0])
+    mm = medusa(model, OracleHeads(model, free, sabotage=1000))
+    out = mm.generate(ids, max_new_tokens=30, eos_token_id=eos, pad_token_id=0, tree=TREE)
+    expected = reference_generate(model, ids, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out.sequences, expected)
+    assert out.sequences.shape[1] == ids.shape[1] + first + 1  # nothing after the eos
+    assert out.stats.tokens_per_step > 2.0
+
+
+def test_eos_stops_one_row_of_a_batch_and_pads_it():
+    model = tiny_model("qwen2")
+    ids = torch.cat([prompt(9, seed=5), prompt(9, seed=6)])
+    free = [reference_generate(model, ids[b:b + 1], max_new_tokens=20, eos_token_id=None)[0] for b in range(2)]
+    eos = int(free[0][9 + 5])
+    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+    out = medusa(model, OracleHeads(model, free)).generate(ids, max_new_tokens=20, eos_token_id=[eos], pad_token_id=0,
+                                                           tree=TREE)
+    assert torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_max_new_tokens_is_exact(max_new_tokens):
+    model = tiny_model("llama")
+    ids = prompt(seed=7)
+    expected = reference_generate(model, ids, max_new_tokens=max_new_tokens, eos_token_id=None)
+    mm = medusa(model, OracleHeads(model, reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)))
+    out = mm.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=[], tree=TREE)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.new_tokens == [max_new_tokens]
+
+
+def test_speculation_off_is_one_token_per_step():
+    model = tiny_model("llama")
+    ids = prompt(seed=8)
+    out = medusa(model).generate(ids, max_new_tokens=12, eos_token_id=[], tree=[])
+    assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=12, eos_token_id=None))
+    assert out.stats.steps == 12 and out.stats.tokens_per_step == 1.0
+
+
+def test_default_trees_and_eager_attention_are_exact():
+    model = tiny_model("llama", _attn_implementation="eager")
+    ids = prompt(seed=9)
+    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
+    mm = medusa(model, OracleHeads(model, expected))
+    assert torch.equal(mm.generate(ids, max_new_tokens=20, eos_token_id=[]).sequences, expected)
+
+
+class RecordingStreamer:
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_prompt_then_every_new_token_once():
+    model = tiny_model("llama")
+    ids = prompt(seed=11)
+    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
+    streamer = RecordingStreamer()
+    medusa(model, OracleHeads(model, expected)).generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE,
+                                                         streamer=streamer)
+    assert torch.equal(streamer.chunks[0], ids)
+    assert torch.equal(torch.cat(streamer.chunks[1:]), expected[0, ids.shape[1]:])
+    assert len(streamer.chunks) - 1 < 20 and streamer.ended  # several tokens per put: speculation streamed
+
+
+def test_transformers_text_streamer_works(capsys):
+    from transformers import TextStreamer
+
+    class Digits:  # the minimal tokenizer interface TextStreamer uses
+        def decode(self, ids, **kwargs):
+            return " ".join(str(i) for i in ids)
+
+    model = tiny_model("llama")
+    ids = prompt(seed=12)
+    out = medusa(model).generate(ids, max_new_tokens=6, eos_token_id=[], streamer=TextStreamer(Digits(), skip_prompt=True))
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(t) for t in out.sequences[0, ids.shape[1]:].tolist()]
