@@ -1,0 +1,115 @@
+"""Bad input gets a clear error naming the problem and the fix; trees and the basic save/load."""
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from medusa_spec import MedusaConfig, MedusaModel, UnsupportedModelError, build_tree, default_tree, grow_tree
+from medusa_spec.tree import DEFAULT_TREE_SIZES
+from tiny_models import VOCAB, tiny_model
+
+IDS = torch.tensor([[5, 6, 7, 8]])
+
+
+@pytest.fixture(scope="module")
+def mm():
+    return MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=3))
+
+
+@pytest.mark.parametrize("tree, message", [
+    ([[0, 0]], r"no parent \[0\]"),
+    ([[0], [0]], "duplicate path"),
+    ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "only 3 heads"),
+    ([[-1]], "ranks must be >= 0"),
+    ([[0], "a"], "list of integer ranks"),
+    ("[[0]]", "list of rank paths"),
+])
+def test_invalid_tree_is_refused(mm, tree, message):
+    with pytest.raises(ValueError, match=message):
+        mm.generate(IDS, max_new_tokens=2, tree=tree)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
+    (dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(do_sample=True, top_k=0), "top_k must be an integer >= 1"),
+])
+def test_bad_generation_arguments(mm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mm.generate(IDS, **kwargs)
+
+
+def test_bad_prompts(mm):
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        mm.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="LongTensor of shape"):
+        mm.generate(torch.tensor([5, 6, 7]))
+    with pytest.raises(ValueError, match="left-padded"):
+        mm.generate(IDS, attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    with pytest.raises(ValueError, match="all padding"):
+        mm.generate(IDS.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="batch size 1"):
+        mm.generate(IDS.repeat(2, 1), streamer=object())
+
+
+def test_heads_for_another_model_are_refused(tmp_path):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="hidden_size=48 but the base model has 32"):
+        MedusaModel.from_base(model, MedusaConfig(hidden_size=48))
+    MedusaModel.from_base(tiny_model("llama", vocab_size=VOCAB + 8)).save_heads(tmp_path / "other")
+    with pytest.raises(ValueError, match=f"vocab_size={VOCAB + 8} but the base model has {VOCAB}"):
+        MedusaModel.from_pretrained(model, tmp_path / "other")
+
+
+def test_unsupported_models_are_refused_up_front():
+    mamba = AutoModelForCausalLM.from_config(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                                      state_size=4))
+    with pytest.raises(UnsupportedModelError, match="recurrent or state-space"):
+        MedusaModel.from_base(mamba)
+    t5 = AutoModelForSeq2SeqLM.from_config(transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64,
+                                                                 num_layers=1, num_heads=4))
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        MedusaModel.from_base(t5)
+    flex = tiny_model("llama", _attn_implementation="flex_attention")
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='sdpa'"):
+        MedusaModel.from_base(flex)
+
+
+def test_tree_tensors():
+    tree = build_tree([[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    # Sorted by depth then path: root, [0], [1], [0,0], [0,1], [1,0], [0,0,0].
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.parent.tolist() == [0, 0, 0, 1, 1, 2, 3]
+    assert tree.rank.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert tree.node_paths[6].tolist() == [0, 1, 3, 6] and tree.node_paths[5].tolist() == [0, 2, 5, 5]
+    assert tree.tree_mask[6].tolist() == [True, True, False, True, False, False, True]
+    assert tree.top_k == 2 and tree.max_depth == 3
+
+
+def test_grow_tree_takes_the_most_valuable_nodes():
+    # Head 0 is right 90% of the time at rank 0; head 1 only 10%: depth 2 loses to rank 1 of head 0.
+    tree = grow_tree([[0.9, 0.08], [0.1, 0.05]], num_nodes=4)
+    assert tree == [[0], [0, 0], [1]]
+    for size in DEFAULT_TREE_SIZES:
+        choices = default_tree(num_heads=4, num_nodes=size)
+        assert len(choices) == size - 1 and build_tree(choices, num_heads=4).num_nodes == size
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, num_layers=2, share_lm_head=False, tree=[[0], [0, 0]]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in mm.heads.parameters():
+            p.normal_()
+    mm.save_heads(tmp_path / "heads")
+    assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == ["medusa_config.json", "medusa_heads.safetensors"]
+    loaded = MedusaModel.from_pretrained(model, tmp_path / "heads")
+    assert loaded.config == mm.config
+    for (name, a), (_, b) in zip(mm.heads.state_dict().items(), loaded.heads.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+    assert torch.equal(mm.generate(ids, max_new_tokens=12).sequences, loaded.generate(ids, max_new_tokens=12).sequences)

@@ -1,0 +1,100 @@
+"""Sampling is lossless: the tokens speculative sampling emits are distributed exactly as the
+base model's processed distribution (temperature, top-k, top-p). The same chi-square test is
+shown to reject a plausible wrong rule, so it has the power to catch one."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import medusa_spec.generate
+from medusa_spec import MedusaConfig, MedusaModel, Sampling
+from medusa_spec.accept import draw_targets, processed_probs
+from tiny_models import tiny_model
+
+VOCAB, ROWS, NEW = 6, 6000, 3
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0]]
+SETTINGS = [Sampling(True, 1.0), Sampling(True, 0.7), Sampling(True, 1.0, top_k=3), Sampling(True, 1.0, top_p=0.7),
+            Sampling(True, 1.5, top_k=4, top_p=0.9)]
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=str)
+def test_processed_probs_match_transformers_warpers(sampling):
+    logits = torch.randn(4, 50) * 3
+    scores = TemperatureLogitsWarper(sampling.temperature)(None, logits.clone())
+    if sampling.top_k:
+        scores = TopKLogitsWarper(sampling.top_k)(None, scores)
+    if sampling.top_p:
+        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+    torch.testing.assert_close(processed_probs(logits, sampling), scores.softmax(-1))
+
+
+def exact_joint(model, prompt, sampling):
+    """P(t1, t2, t3 | prompt) for every triple, enumerated with the base model: [V, V, V]."""
+    with torch.no_grad():
+        def next_probs(prefixes):
+            ids = torch.cat([prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long)], 1)
+            return processed_probs(model(ids).logits[:, -1], sampling)
+        p1 = processed_probs(model(prompt).logits[:, -1], sampling)[0]
+        p2 = next_probs([[a] for a in range(VOCAB)])
+        p3 = next_probs([[a, b] for a, b in itertools.product(range(VOCAB), repeat=2)]).view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sample_triples(model, prompt, sampling, seed=0):
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))  # zero-init heads guess plausible tokens
+    torch.manual_seed(seed)
+    out = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True, temperature=sampling.temperature,
+                      top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=[], tree=TREE)
+    new = out.sequences[:, prompt.shape[1]:]
+    counts = torch.bincount(new[:, 0] * VOCAB * VOCAB + new[:, 1] * VOCAB + new[:, 2], minlength=VOCAB ** 3)
+    return counts.double(), out.stats
+
+
+def chi_square_p_value(counts, probs):
+    probs = probs.flatten().double()
+    assert counts[probs == 0].sum() == 0, "emitted a sequence the processed distribution excludes"
+    expected = probs * counts.sum() / probs.sum()
+    small = expected < 5  # pool sparse cells so the chi-square approximation holds
+    observed, pooled = counts[~small], expected[~small]
+    if expected[small].sum() > 0:
+        observed = torch.cat([observed, counts[small].sum()[None]])
+        pooled = torch.cat([pooled, expected[small].sum()[None]])
+    expected = pooled
+    expected = expected * observed.sum() / expected.sum()  # exact totals after float rounding
+    return chisquare(observed.numpy(), expected.numpy()).pvalue
+
+
+def setup():
+    model = tiny_model("llama", vocab_size=VOCAB)
+    prompt = torch.tensor([[3, 5, 4, 1]])
+    return model, prompt
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=str)
+def test_speculative_sampling_matches_base_distribution(sampling):
+    model, prompt = setup()
+    counts, stats = sample_triples(model, prompt, sampling)
+    assert stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"
+    assert chi_square_p_value(counts, exact_joint(model, prompt, sampling)) > 1e-3
+
+
+def accept_with_retry(node_tokens, logits, tree, sampling):
+    """A wrong rule: when the first draw misses the candidates, draw again (without removing
+    the candidates' mass), so candidates come out more often than the base model says."""
+    first, second = draw_targets(logits, sampling), draw_targets(logits, sampling)
+    matches = (node_tokens == first[:, tree.parent]) | (node_tokens == second[:, tree.parent])
+    matches[:, 0] = True
+    reached = (tree.tree_mask[None] & ~matches[:, None, :]).sum(-1) == 0
+    accept_length, last_node = (reached * (tree.depth + 1)).max(dim=-1)
+    return last_node, accept_length - 1, first.gather(1, last_node[:, None])[:, 0]
+
+
+def test_chi_square_rejects_a_wrong_acceptance_rule(monkeypatch):
+    model, prompt = setup()
+    sampling = SETTINGS[0]
+    monkeypatch.setattr(medusa_spec.generate, "accept", accept_with_retry)
+    counts, _ = sample_triples(model, prompt, sampling)
+    assert chi_square_p_value(counts, exact_joint(model, prompt, sampling)) < 1e-6
