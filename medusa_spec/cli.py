@@ -1,0 +1,124 @@
+"""`medusa-spec` command line: demo, generate (and the training / conversion commands)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .config import MedusaConfig
+from .model import MedusaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tree_arg(text: str):
+    """--tree: JSON rank paths, or 'off' for no speculation (one token per step)."""
+    if text == "off":
+        return []
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"--tree must be JSON rank paths such as '[[0],[1],[0,0]]' or 'off', got {text!r}")
+
+
+def _sampling_kwargs(args) -> dict:
+    return dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def demo(args) -> int:
+    """Offline demo on a tiny random Llama: speculative greedy output equals transformers' greedy output."""
+    import transformers
+
+    torch.manual_seed(args.seed)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    mm = MedusaModel.from_base(base, MedusaConfig(num_heads=3))
+    ids = torch.randint(3, 512, (1, 16))
+    start = time.perf_counter()
+    plain = base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    plain_time = time.perf_counter() - start
+    out = mm.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], tree=args.tree)
+    stats = out.stats
+    print(f"tiny random Llama, {args.max_new_tokens} new tokens, untrained heads")
+    print(f"identical to transformers greedy: {torch.equal(out.sequences, plain)}")
+    print(f"medusa_spec: {stats.tokens_per_second:.0f} tok/s, {stats.tokens_per_step:.2f} tokens/step; "
+          f"transformers: {args.max_new_tokens / plain_time:.0f} tok/s")
+    print("untrained heads rarely guess right; train heads with `medusa-spec train` for real speed-ups")
+    return 0 if torch.equal(out.sequences, plain) else 1
+
+
+def generate(args) -> int:
+    """Generate from a local model folder, streaming text; --compare also times plain decoding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    mm = MedusaModel.from_pretrained(base, args.heads) if args.heads else MedusaModel.from_base(base)
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    out = mm.generate(ids, max_new_tokens=args.max_new_tokens, tree=args.tree,
+                      streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **_sampling_kwargs(args))
+    stats = out.stats
+    print(f"\n[{sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s, "
+          f"{stats.tokens_per_step:.2f} tokens/step]", file=sys.stderr)
+    if args.compare:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            plain = base.generate(ids.to(args.device), max_new_tokens=args.max_new_tokens, **_sampling_kwargs(args))
+        plain_rate = (plain.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+        print(f"[transformers generate: {plain_rate:.1f} tok/s; speed-up {stats.tokens_per_second / plain_rate:.2f}x"
+              + (f"; identical: {torch.equal(plain.cpu(), out.sequences.cpu())}]" if not args.do_sample else "]"),
+              file=sys.stderr)
+    return 0
+
+
+def _add_generation_options(parser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--tree", type=_tree_arg, default=None, help="JSON rank paths, or 'off'; default: the heads' tree")
+    parser.add_argument("--do-sample", action="store_true")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="medusa-spec", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("demo", help="offline check on a tiny random model")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tree", type=_tree_arg, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=demo)
+
+    p = commands.add_parser("generate", help="generate text with Medusa heads")
+    p.add_argument("prompt")
+    p.add_argument("--model", required=True, help="local folder of a transformers causal LM (with its tokenizer)")
+    p.add_argument("--heads", default=None, help="adapter folder written by save_heads (default: untrained heads)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
+    _add_generation_options(p)
+    p.set_defaults(func=generate)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:  # our errors already say what to fix
+        print(f"medusa-spec {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
