@@ -10,6 +10,7 @@ import time
 import torch
 
 from .config import MedusaConfig
+from .formats import add_convert_command
 from .model import MedusaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
     _add_generation_options(p)
     p.set_defaults(func=generate)
+
+    add_convert_command(commands)
     return parser
 
 

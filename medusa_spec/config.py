@@ -11,6 +11,9 @@ from typing import Any
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "medusa_config.json"
+# A saved config must state these: without them the weights' shapes and the base-model checks are guesses.
+# (Others fall back to their defaults, as peft does.)
+REQUIRED_KEYS = ("num_heads", "num_layers", "share_lm_head", "hidden_size", "vocab_size")
 
 
 @dataclass
@@ -40,6 +43,12 @@ class MedusaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "num_heads" else 0):
                 raise ValueError(f"MedusaConfig.{name} must be an integer >= {1 if name == 'num_heads' else 0}, got {value!r}")
+        if not isinstance(self.share_lm_head, bool):
+            raise ValueError(f"MedusaConfig.share_lm_head must be true or false, got {self.share_lm_head!r}")
+        for name in ("hidden_size", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"MedusaConfig.{name} must be a positive integer or null, got {value!r}")
         if self.tree is not None:
             self.tree = [list(map(int, path)) for path in self.tree]
 
@@ -57,7 +66,7 @@ class MedusaConfig:
             warnings.warn(f"{source}: format_version {version} is newer than this library's {FORMAT_VERSION}; upgrade medusa_spec", stacklevel=2)
         try:
             return cls(**{k: v for k, v in data.items() if k in known})
-        except TypeError as err:  # e.g. a value of the wrong type in the JSON
+        except (TypeError, ValueError) as err:  # e.g. a value of the wrong type in the JSON
             raise ValueError(f"{source}: invalid MedusaConfig ({err})") from None
 
     def to_json_file(self, path: str | Path) -> None:
@@ -72,4 +81,8 @@ class MedusaConfig:
             raise ValueError(f"{path} is not valid JSON ({err}); re-save the adapter with save_heads()") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object of MedusaConfig fields")
+        missing = [key for key in REQUIRED_KEYS if key not in data]
+        if missing:
+            raise ValueError(f"{path} is missing required keys {missing}; add them (the base model's config has "
+                             f"hidden_size and vocab_size) or re-save the adapter with save_heads()")
         return cls.from_dict(data, source=str(path))

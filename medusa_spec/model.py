@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import io
+from . import formats, io
 from .accept import Sampling
 from .base import inspect_base_model, model_device_dtype
 from .config import MedusaConfig
@@ -45,20 +45,31 @@ class MedusaModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, base_model: nn.Module, path: str | Path) -> "MedusaModel":
-        """Load heads saved by `save_heads` onto `base_model` (sizes checked against it)."""
-        config, state_dict = io.load_adapter(path)
+        """Load heads onto `base_model` from `path`, saved by `save_heads` or in the original Medusa or vLLM
+        format (detected from the files); sizes are checked against the base model.
+
+        A Medusa-2 LoRA adapter saved beside the heads (lora/) is applied to `base_model` in place, through peft.
+        """
+        config, state_dict = formats.read_heads(path)
         spec = inspect_base_model(base_model)
-        _check_sizes(config, spec, source=str(Path(path) / io.CONFIG_NAME))
+        _check_sizes(config, spec, source=str(path))
         if config.base_model_name_or_path and spec.name_or_path and config.base_model_name_or_path != spec.name_or_path:
             warnings.warn(f"heads in {path} were trained for {config.base_model_name_or_path!r}, "
                           f"not {spec.name_or_path!r}: acceptance may be poor", stacklevel=2)
-        model = cls.from_base(base_model, config)
-        io.load_state_dict_checked(model.heads, state_dict, path)
+        model = cls.from_base(io.load_lora(base_model, path), config)
+        model.heads.load_state_dict(state_dict)  # names and shapes were checked against the config when read
         return model
 
-    def save_heads(self, path: str | Path) -> None:
-        """Write medusa_config.json + medusa_heads.safetensors (heads only) atomically."""
-        io.save_adapter(path, self.config, self.heads.state_dict())
+    def save_heads(self, path: str | Path, lora: nn.Module | None = None) -> None:
+        """Write medusa_config.json + medusa_heads.safetensors (heads only) atomically.
+
+        Medusa-2: `lora`, the peft model wrapping `base_model` whose LoRA was trained with the heads, is saved
+        beside them in peft's format (lora/); saving without it removes a LoRA adapter an earlier save left.
+        """
+        if lora is not None and lora.get_base_model() is not self.base_model:
+            raise ValueError("lora must be the peft model wrapping this MedusaModel's base_model "
+                             "(get_peft_model(base_model, ...) before MedusaModel.from_base)")
+        io.save_adapter(path, self.config, self.heads.state_dict(), lora=lora)
 
     def tree(self, tree=None):
         """The Tree used by generate(): given choices, else the adapter's calibrated tree, else a default."""

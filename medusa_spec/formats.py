@@ -1,0 +1,305 @@
+"""Interchange with other Medusa head layouts: the original Medusa repo's (which TensorRT-LLM's and TGI's
+converters read) and vLLM's.
+
+Every reader returns medusa_spec's own layout (a MedusaConfig and a state dict named as MedusaHeads names its
+tensors, which is vLLM's naming), so each format needs one reader and one writer, not one per pair. Head and
+layer counts come from the weights, never a config: published Medusa configs understate them (the original
+loader hid this by loading with strict=False).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from . import io
+from .base import inspect_base_model
+from .config import CONFIG_NAME, MedusaConfig
+
+FORMATS = ("medusa_spec", "medusa", "vllm")
+HF_CONFIG = "config.json"  # the original Medusa and vLLM layouts both keep their config here
+MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+VLLM_WEIGHTS = "model.safetensors"  # vLLM reads every *.safetensors in the folder; this is the usual name
+
+_BLOCK_KEY = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)")
+_PROJECTION_KEY = re.compile(r"lm_heads\.(\d+)\.weight")
+# Original Medusa: head h is nn.Sequential(ResBlock x L, Linear), so its projection is module L of the head.
+_MEDUSA_LAYER_KEY = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
+_MEDUSA_PROJECTION_KEY = re.compile(r"(\d+)\.(\d+)\.weight")
+
+
+def detect_format(path: str | Path) -> str:
+    """"medusa_spec", "medusa" (original) or "vllm", judged by the files in the folder `path`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no adapter folder at {path}; save one with MedusaModel.save_heads({str(path)!r})")
+    if (path / CONFIG_NAME).exists() or (path / io.WEIGHTS_NAME).exists():
+        return "medusa_spec"
+    if any((path / name).exists() for name in MEDUSA_WEIGHTS):
+        return "medusa"
+    if (path / HF_CONFIG).is_file():
+        config = _read_json(path / HF_CONFIG)
+        if config.get("model_type") == "medusa":
+            return "vllm"
+        if "medusa_num_heads" in config:
+            return "medusa"  # its weights file is missing; read_medusa says so
+    raise FileNotFoundError(
+        f"{path} holds no Medusa heads: expected {CONFIG_NAME} + {io.WEIGHTS_NAME} (medusa_spec), {HF_CONFIG} + "
+        f"{' or '.join(MEDUSA_WEIGHTS)} (original Medusa), or {HF_CONFIG} with model_type \"medusa\" + *.safetensors "
+        f"(vLLM)")
+
+
+def read_heads(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """Config and state dict, in medusa_spec's layout, of the heads in `path`, whichever format it holds."""
+    reader = {"medusa_spec": io.load_adapter, "medusa": read_medusa, "vllm": read_vllm}[detect_format(path)]
+    return reader(path)
+
+
+def read_medusa(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """Read the original Medusa layout: config.json (medusa_num_heads, medusa_num_layers,
+    base_model_name_or_path) and medusa_lm_head.safetensors or .pt with keys `{h}.{l}.linear.weight|bias` and
+    `{h}.{L}.weight`, head h's own vocabulary projection. "Version 2" checkpoints have no projections: their
+    heads share the base model's LM head."""
+    path = Path(path)
+    meta = _read_json(path / HF_CONFIG)
+    weights_file = next((path / name for name in MEDUSA_WEIGHTS if (path / name).is_file()), None)
+    if weights_file is None:
+        raise FileNotFoundError(f"{path} has a Medusa {HF_CONFIG} but no {' or '.join(MEDUSA_WEIGHTS)}; "
+                                f"put the heads' weights file beside it")
+    tensors = _read_weights(weights_file)
+    num_layers = 1 + max((int(m[2]) for key in tensors if (m := _MEDUSA_LAYER_KEY.fullmatch(key))), default=-1)
+    return _heads_from_weights(
+        {_from_medusa_key(key, num_layers): value for key, value in tensors.items()}, weights_file,
+        stated={"heads": meta.get("medusa_num_heads"), "layers": meta.get("medusa_num_layers")},
+        base_model_name_or_path=meta.get("base_model_name_or_path"),
+        name=lambda key: _to_medusa_key(key, num_layers))
+
+
+def read_vllm(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """Read vLLM's Medusa layout: config.json (model_type "medusa") and *.safetensors with
+    `blocks.{h}.layers.{l}.weight|bias` and `lm_heads.{h}.weight`, or with original_lm_head a single
+    `lm_head.weight`, a copy of the base model's, which medusa_spec takes from the base model instead."""
+    path = Path(path)
+    meta = _read_json(path / HF_CONFIG)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has a vLLM Medusa {HF_CONFIG} but no *.safetensors weights; "
+                                f"put the heads' weights file beside it")
+    tensors = {}
+    for file in files:
+        # vLLM strips this prefix when loading, so checkpoints carry it.
+        tensors.update({key.removeprefix("medusa_heads."): value for key, value in io.read_safetensors(file).items()})
+    if "token_map" in tensors:
+        raise ValueError(f"{path}: a truncated draft vocabulary (token_map) is not supported; "
+                         f"export the heads with the full vocabulary")
+    if meta.get("original_lm_head"):
+        # vLLM also accepts the shared LM head under lm_heads.0.weight.
+        tensors.pop("lm_head.weight", None)
+        tensors.pop("lm_heads.0.weight", None)
+    return _heads_from_weights(tensors, files[0] if len(files) == 1 else path,
+                               stated={"heads": meta.get("num_heads"), "layers": meta.get("num_hidden_layers")},
+                               base_model_name_or_path=meta.get("base_model_name_or_path"))
+
+
+def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, base_model_name_or_path,
+                        name=lambda key: key) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """Config and checked state dict of heads whose tensors, renamed to medusa_spec's layout, are `tensors`.
+    Counts are read off the names; `stated` holds the counts the format's config claims, to warn about;
+    `name` maps a key back to the file's own naming, for messages."""
+    counts = {"heads": 0, "layers": 0}
+    hidden_size = vocab_size = dtype = None
+    for key, tensor in tensors.items():
+        if m := _BLOCK_KEY.fullmatch(key):
+            counts["heads"], counts["layers"] = max(counts["heads"], int(m[1]) + 1), max(counts["layers"], int(m[2]) + 1)
+        elif m := _PROJECTION_KEY.fullmatch(key):
+            counts["heads"] = max(counts["heads"], int(m[1]) + 1)
+            vocab_size = tensor.shape[0]
+        else:
+            continue
+        hidden_size, dtype = tensor.shape[-1], tensor.dtype
+    if counts["heads"] == 0:
+        raise ValueError(f"{source} holds no Medusa head weights (its keys start {sorted(map(name, tensors))[:4]}); "
+                         f"point at the folder of a Medusa head checkpoint")
+    for what, found in counts.items():
+        if stated[what] is not None and stated[what] != found:
+            warnings.warn(f"{source}: its {HF_CONFIG} says {stated[what]} {what} but the weights hold {found}; "
+                          f"using {found}", stacklevel=2)
+    config = MedusaConfig(num_heads=counts["heads"], num_layers=counts["layers"], share_lm_head=vocab_size is None,
+                          hidden_size=hidden_size, vocab_size=vocab_size,
+                          base_model_name_or_path=base_model_name_or_path)
+    expected = io.expected_shapes(config, source)
+    if not any(key.endswith(".bias") for key in tensors):
+        # Bias-free layers (vLLM with medusa_fc_bias false): a zero bias computes exactly the same.
+        tensors = {**tensors, **{key: torch.zeros(shape, dtype=dtype) for key, shape in expected.items()
+                                 if key.endswith(".bias")}}
+    io.check_weights(expected, tensors, source, name=name,
+                     fix="the checkpoint is incomplete or not a Medusa head checkpoint")
+    return config, tensors
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    if file.suffix == ".safetensors":
+        return io.read_safetensors(file)
+    try:
+        # weights_only: a .pt file is a pickle, and unpickling anything but tensors can run arbitrary code.
+        data = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{file} holds Python objects besides tensors, which torch.load(weights_only=True) refuses; "
+                         f"if you trust the file, load it with weights_only=False and save its tensors with "
+                         f"safetensors.torch.save_file as {MEDUSA_WEIGHTS[0]}") from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise ValueError(f"{file} is truncated or corrupt ({err}); re-download it") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in data.items()):
+        raise ValueError(f"{file} is not a state dict of tensors; save the heads' state_dict() in it")
+    # The original Medusa reuses one ResBlock for all layers of a head ([ResBlock] * L), so its tensors can share
+    # storage; clones make them independent (and savable: safetensors refuses shared tensors).
+    return {key: value.clone() for key, value in data.items()}
+
+
+def _from_medusa_key(key: str, num_layers: int) -> str:
+    """Original Medusa name -> medusa_spec name; a key that is not Medusa's is kept, for the check to name."""
+    if m := _MEDUSA_LAYER_KEY.fullmatch(key):
+        return f"blocks.{m[1]}.layers.{m[2]}.{m[3]}"
+    if (m := _MEDUSA_PROJECTION_KEY.fullmatch(key)) and int(m[2]) == num_layers:
+        return f"lm_heads.{m[1]}.weight"
+    return key
+
+
+def _to_medusa_key(key: str, num_layers: int) -> str:
+    if m := _BLOCK_KEY.fullmatch(key):
+        return f"{m[1]}.{m[2]}.linear.{m[3]}"
+    if m := _PROJECTION_KEY.fullmatch(key):
+        return f"{m[1]}.{num_layers}.weight"
+    return key
+
+
+def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    """Write the original Medusa layout (config.json + medusa_lm_head.safetensors), atomically.
+
+    Heads sharing the base LM head are written as "version 2" (no projections), which TGI reads; TensorRT-LLM's
+    converter expects projections. With several layers per head, the original repo's own loader ties a head's
+    layers into one module ([ResBlock] * L), so only TensorRT-LLM and TGI, which read each layer, run them as is.
+    """
+    # No "architectures" key: TGI takes a speculator config that has one for another kind of speculator.
+    meta = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
+            "base_model_name_or_path": config.base_model_name_or_path}
+    tensors = {_to_medusa_key(key, config.num_layers): value.detach().contiguous().cpu()
+               for key, value in state_dict.items()}
+    # The .pt name is listed so a stale one is removed: TensorRT-LLM reads medusa_lm_head.pt first.
+    with io.staged_save(path, (*MEDUSA_WEIGHTS, HF_CONFIG)) as staged:
+        save_file(tensors, str(staged / MEDUSA_WEIGHTS[0]), metadata={"format": "pt"})
+        _write_json(staged / HF_CONFIG, meta)
+
+
+def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, torch.Tensor],
+               base_lm_head: torch.Tensor | None = None) -> None:
+    """Write vLLM's Medusa layout (config.json + model.safetensors), atomically.
+
+    vLLM (model_executor/models/medusa.py) builds `num_heads` blocks of `num_hidden_layers` Linear layers, with
+    biases only when medusa_fc_bias is true, and per-head `lm_heads.{h}.weight`; with original_lm_head it builds
+    one `lm_head` for all heads and loads it from this checkpoint, so shared-LM-head heads need `base_lm_head`
+    [V, H], the base model's LM head weight, copied in.
+    """
+    tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
+    if config.share_lm_head:
+        if base_lm_head is None:
+            raise ValueError(f"{path}: vLLM's format stores the LM head these heads share (lm_head.weight); pass "
+                             f"base_model= (medusa-spec convert --base-model PATH) to copy it from the base model")
+        if config.hidden_size is not None and base_lm_head.shape[1] != config.hidden_size:
+            raise ValueError(f"{path}: the base LM head has hidden size {base_lm_head.shape[1]} but the heads have "
+                             f"{config.hidden_size}; pass the base model the heads were trained for")
+        tensors["lm_head.weight"] = base_lm_head.detach().contiguous().cpu()
+    vocab_size = tensors["lm_head.weight" if config.share_lm_head else "lm_heads.0.weight"].shape[0]
+    meta = {"model_type": "medusa", "architectures": ["MedusaModel"],
+            "hidden_size": config.hidden_size, "vocab_size": vocab_size,
+            "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
+            "medusa_fc_bias": any(key.endswith(".bias") for key in tensors),
+            "original_lm_head": config.share_lm_head}
+    with io.staged_save(path, (VLLM_WEIGHTS, HF_CONFIG)) as staged:
+        save_file(tensors, str(staged / VLLM_WEIGHTS), metadata={"format": "pt"})
+        _write_json(staged / HF_CONFIG, meta)
+
+
+def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
+            base_model: str | Path | nn.Module | None = None) -> None:
+    """Read heads from `src_dir` (format detected) and write them to `dst_dir` in format `to`: "medusa_spec",
+    "medusa" (original) or "vllm".
+
+    `base_model`, a path or a loaded model, supplies the LM head that vLLM's format stores for shared-LM-head
+    heads and the sizes a "version 2" Medusa checkpoint does not record, and is checked against the heads.
+    A Medusa-2 LoRA adapter is not converted: the other formats hold heads only.
+    """
+    if to not in FORMATS:
+        raise ValueError(f"unknown format {to!r}; choose one of {', '.join(FORMATS)}")
+    config, state_dict = read_heads(src_dir)
+    if (Path(src_dir) / io.LORA_DIR).exists():
+        warnings.warn(f"{Path(src_dir) / io.LORA_DIR} (a LoRA adapter for the base model) is not converted; merge it "
+                      f"into the base model to serve it with an engine", stacklevel=2)
+    base_lm_head = None
+    if base_model is not None:
+        if isinstance(base_model, (str, Path)):
+            from transformers import AutoModelForCausalLM  # only this path needs to load a model
+
+            base_model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype="auto")
+        spec = inspect_base_model(base_model)
+        for key in ("hidden_size", "vocab_size"):
+            if getattr(config, key) not in (None, getattr(spec, key)):
+                raise ValueError(f"{src_dir}: heads have {key}={getattr(config, key)} but the base model "
+                                 f"{spec.name_or_path or ''} has {getattr(spec, key)}; pass the base model the heads "
+                                 f"were trained for")
+        config = dataclasses.replace(config, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                                     base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path)
+        base_lm_head = base_model.get_output_embeddings().weight
+    if to == "medusa_spec":
+        io.save_adapter(dst_dir, config, state_dict)
+    elif to == "medusa":
+        write_medusa(dst_dir, config, state_dict)
+    else:
+        write_vllm(dst_dir, config, state_dict, base_lm_head)
+
+
+def add_convert_command(subparsers) -> argparse.ArgumentParser:
+    """Register `medusa-spec convert SRC DST --to FORMAT [--base-model PATH]` on argparse `subparsers`;
+    the parsed arguments' `func(args)` runs it and returns the exit status."""
+    parser = subparsers.add_parser("convert", help="convert Medusa heads between formats",
+                                   description="Convert Medusa heads between medusa_spec's, the original Medusa "
+                                               "(read by TensorRT-LLM's and TGI's converters) and vLLM's formats.")
+    parser.add_argument("src", help="folder holding the heads, in any of the formats (detected from its files)")
+    parser.add_argument("dst", help="folder to write; files of the target format there are replaced")
+    parser.add_argument("--to", required=True, choices=FORMATS, help="format to write")
+    parser.add_argument("--base-model", default=None, metavar="PATH",
+                        help="the base model's folder: needed for --to vllm when the heads share the base LM head; "
+                             "checked against the heads")
+    parser.set_defaults(func=_convert_command)
+    return parser
+
+
+def _convert_command(args: argparse.Namespace) -> int:
+    convert(args.src, args.dst, to=args.to, base_model=args.base_model)
+    print(f"wrote {args.to} heads to {args.dst}")
+    return 0
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing; put the checkpoint's config file beside its weights")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err}); re-download it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return data
+
+
+def _write_json(file: Path, data: dict) -> None:
+    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,449 @@
+"""Head adapters: save/load hardening, interchange formats, Medusa-2 LoRA. Tiny random models, synthetic checkpoints."""
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import medusa_spec.io
+from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec.formats import FORMATS, add_convert_command, convert, read_heads
+
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+PROMPT = torch.tensor([[1, 5, 9, 2, 7], [3, 3, 8, 1, 4]])
+
+
+def tiny_base(seed=0, **overrides):
+    """The same random Llama for the same seed, so a 'fresh' base equals the one heads were saved from."""
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, **overrides})).eval()
+
+
+def random_medusa(base, seed=1, **config):
+    """Heads with random weights everywhere (new heads start at zero, which would hide a lost tensor)."""
+    model = MedusaModel.from_base(base, MedusaConfig(**config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.heads.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+def assert_same_heads(a, b):
+    state_a, state_b = a.heads.state_dict(), b.heads.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(state_a[key], state_b[key]), key
+
+
+def greedy(model):
+    out = model.generate(PROMPT, max_new_tokens=12, eos_token_id=[])
+    return out.sequences, out.stats.steps, out.stats.accepted_at_depth
+
+
+class ResBlock(nn.Module):
+    """The original Medusa repo's block, to write checkpoints exactly as it does."""
+
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+def original_medusa_heads(num_heads, num_layers, projection=True, seed=3):
+    """Heads built as the original repo builds them: one ResBlock reused for all layers of a head
+    ([ResBlock] * L, so the checkpoint's tensors share storage), then the head's own projection unless "version 2"."""
+    torch.manual_seed(seed)
+    hidden, vocab = LLAMA["hidden_size"], LLAMA["vocab_size"]
+    return nn.ModuleList(
+        nn.Sequential(*([ResBlock(hidden)] * num_layers), *([nn.Linear(hidden, vocab, bias=False)] if projection else []))
+        for _ in range(num_heads))
+
+
+def write_original(path, heads, suffix, stated_heads):
+    path.mkdir(parents=True, exist_ok=True)
+    state_dict = heads.state_dict()
+    if suffix == ".pt":
+        torch.save(state_dict, path / "medusa_lm_head.pt")
+    else:  # safetensors refuses the shared storage of the repeated ResBlock
+        save_file({k: v.clone() for k, v in state_dict.items()}, str(path / "medusa_lm_head.safetensors"))
+    num_layers = sum(isinstance(module, ResBlock) for module in heads[0])
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": stated_heads, "medusa_num_layers": num_layers,
+                                                  "base_model_name_or_path": None}))
+    return state_dict
+
+
+# --- own format ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("share_lm_head", [True, False])
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_own_round_trip_is_bit_exact_and_keeps_every_field(tmp_path, share_lm_head, num_layers):
+    model = random_medusa(tiny_base(), num_heads=3, num_layers=num_layers, share_lm_head=share_lm_head,
+                          tree=[[0], [1], [0, 0], [0, 0, 0]], metrics={"head_accuracy": [0.6, 0.4, 0.2]})
+    model.save_heads(tmp_path)
+    saved = json.loads((tmp_path / "medusa_config.json").read_text())
+    assert set(saved) == set(MedusaConfig().to_dict())
+    assert saved["hidden_size"] == 32 and saved["vocab_size"] == 64 and saved["format_version"] == 1
+    assert set(load_file(tmp_path / "medusa_heads.safetensors")) == set(model.heads.state_dict())  # heads only
+
+    loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path)
+    assert loaded.config == model.config
+    assert_same_heads(loaded, model)
+
+
+@pytest.mark.parametrize("fmt, share_lm_head", [("medusa_spec", True), ("medusa", False), ("medusa", True),
+                                                ("vllm", False), ("vllm", True)])
+def test_generation_identical_after_round_trip(tmp_path, fmt, share_lm_head):
+    base = tiny_base()
+    model = random_medusa(base, num_heads=3, share_lm_head=share_lm_head)
+    model.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / fmt, to=fmt, base_model=base)
+
+    loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path / fmt)
+    assert_same_heads(loaded, model)
+    sequences, steps, accepted = greedy(loaded)
+    expected_sequences, expected_steps, expected_accepted = greedy(model)
+    assert torch.equal(sequences, expected_sequences)
+    assert (steps, accepted) == (expected_steps, expected_accepted)  # the heads proposed the same trees
+
+
+def test_size_mismatch_is_an_error(tmp_path):
+    random_medusa(tiny_base()).save_heads(tmp_path)
+    with pytest.raises(ValueError, match="hidden_size=32 but the base model has 48"):
+        MedusaModel.from_pretrained(tiny_base(hidden_size=48), tmp_path)
+    with pytest.raises(ValueError, match="vocab_size=64 but the base model has 80"):
+        MedusaModel.from_pretrained(tiny_base(vocab_size=80), tmp_path)
+
+
+def test_other_base_model_name_warns(tmp_path):
+    base = tiny_base()
+    base.config._name_or_path = "org/llama-a"
+    random_medusa(base).save_heads(tmp_path)
+    other = tiny_base()
+    other.config._name_or_path = "org/llama-b"
+    with pytest.warns(UserWarning, match="trained for 'org/llama-a', not 'org/llama-b'"):
+        MedusaModel.from_pretrained(other, tmp_path)
+
+
+def edit_config(path, edit):
+    config = json.loads((path / "medusa_config.json").read_text())
+    edit(config)
+    (path / "medusa_config.json").write_text(json.dumps(config))
+
+
+def test_unknown_config_keys_warn(tmp_path):
+    model = random_medusa(tiny_base())
+    model.save_heads(tmp_path)
+    edit_config(tmp_path, lambda config: config.update(draft_temperature=0.7))
+    with pytest.warns(UserWarning, match=r"ignoring unknown MedusaConfig keys \['draft_temperature'\]"):
+        loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path)
+    assert_same_heads(loaded, model)
+
+
+def test_missing_required_config_key_is_an_error(tmp_path):
+    random_medusa(tiny_base()).save_heads(tmp_path)
+    edit_config(tmp_path, lambda config: config.pop("hidden_size"))
+    with pytest.raises(ValueError, match=r"medusa_config.json is missing required keys \['hidden_size'\]"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+def test_invalid_config_values_are_errors(tmp_path):
+    random_medusa(tiny_base()).save_heads(tmp_path)
+    edit_config(tmp_path, lambda config: config.update(share_lm_head="yes"))
+    with pytest.raises(ValueError, match="medusa_config.json: invalid MedusaConfig .*share_lm_head must be true or false"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+    (tmp_path / "medusa_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="medusa_config.json is not valid JSON"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["medusa_config.json", "medusa_heads.safetensors"])
+def test_missing_file_is_an_error(tmp_path, name):
+    random_medusa(tiny_base()).save_heads(tmp_path)
+    (tmp_path / name).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{name} is missing"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+def test_missing_or_empty_folder_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no adapter folder at"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="holds no Medusa heads: expected medusa_config.json"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+def test_truncated_weights_are_an_error(tmp_path):
+    random_medusa(tiny_base()).save_heads(tmp_path)
+    weights = tmp_path / "medusa_heads.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="medusa_heads.safetensors is truncated or corrupt"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+def test_wrong_tensor_shapes_are_an_error(tmp_path):
+    model = random_medusa(tiny_base(), num_heads=3)
+    model.save_heads(tmp_path)
+    state_dict = dict(model.heads.state_dict(), **{"blocks.1.layers.0.weight": torch.zeros(32, 16)})
+    save_file(state_dict, str(tmp_path / "medusa_heads.safetensors"))
+    with pytest.raises(ValueError, match=r"medusa_heads.safetensors: blocks.1.layers.0.weight has shape \(32, 16\), "
+                                         r"expected \(32, 32\); .*re-save the adapter"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+    edit_config(tmp_path, lambda config: config.update(num_heads=4))  # a config from another save
+    with pytest.raises(ValueError, match="missing blocks.3.layers.0.weight"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+def test_interrupted_weights_write_leaves_old_adapter(tmp_path, monkeypatch):
+    old = random_medusa(tiny_base(), seed=1, metrics={"run": "old"})
+    old.save_heads(tmp_path)
+
+    def fail_mid_write(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 100)  # a partial file, then the disk fills up
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(medusa_spec.io, "save_file", fail_mid_write)
+    with pytest.raises(OSError, match="No space left"):
+        random_medusa(tiny_base(), seed=2, metrics={"run": "new"}).save_heads(tmp_path)
+    monkeypatch.undo()
+
+    loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path)
+    assert loaded.config.metrics == {"run": "old"}
+    assert_same_heads(loaded, old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["medusa_config.json", "medusa_heads.safetensors"]
+
+
+@pytest.mark.parametrize("failing_move", [1, 2])  # 1: the weights' move into place; 2: the config's, after it
+def test_interrupted_moves_leave_old_adapter(tmp_path, monkeypatch, failing_move):
+    old = random_medusa(tiny_base(), seed=1, metrics={"run": "old"})
+    old.save_heads(tmp_path)
+    real_replace, calls = os.replace, []
+
+    def flaky_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == failing_move:
+            raise OSError("interrupted")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", flaky_replace)
+    with pytest.raises(OSError, match="interrupted"):
+        random_medusa(tiny_base(), seed=2, num_heads=2, metrics={"run": "new"}).save_heads(tmp_path)
+    monkeypatch.undo()
+
+    loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path)
+    assert loaded.config.metrics == {"run": "old"}
+    assert_same_heads(loaded, old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["medusa_config.json", "medusa_heads.safetensors"]
+
+
+# --- original Medusa format ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize("projection", [True, False], ids=["own-projection", "version2-shared"])
+def test_original_medusa_import_counts_heads_from_weights(tmp_path, suffix, projection):
+    heads = original_medusa_heads(num_heads=3, num_layers=2, projection=projection)
+    original = write_original(tmp_path / "medusa", heads, suffix, stated_heads=2)  # published configs understate
+
+    base = tiny_base()
+    with pytest.warns(UserWarning, match="config.json says 2 heads but the weights hold 3; using 3"):
+        loaded = MedusaModel.from_pretrained(base, tmp_path / "medusa")
+    assert (loaded.config.num_heads, loaded.config.num_layers, loaded.config.share_lm_head) == (3, 2, not projection)
+    state = loaded.heads.state_dict()
+    for h in range(3):
+        for l in range(2):
+            assert torch.equal(state[f"blocks.{h}.layers.{l}.weight"], original[f"{h}.{l}.linear.weight"])
+            assert torch.equal(state[f"blocks.{h}.layers.{l}.bias"], original[f"{h}.{l}.linear.bias"])
+        if projection:
+            assert torch.equal(state[f"lm_heads.{h}.weight"], original[f"{h}.2.weight"])
+    # Converting straight from the file works too (the .pt's shared ResBlock storage is no obstacle).
+    with pytest.warns(UserWarning, match="the weights hold 3"):
+        convert(tmp_path / "medusa", tmp_path / "own", to="medusa_spec")
+    assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / "own"), loaded)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        expected = torch.stack([head(x) if projection else base.lm_head(head(x)) for head in heads], dim=-2)
+        torch.testing.assert_close(loaded.heads(x, base.lm_head), expected)
+
+
+@pytest.mark.parametrize("projection", [True, False])
+def test_original_medusa_export_round_trip_is_bit_exact(tmp_path, projection):
+    original = write_original(tmp_path / "src", original_medusa_heads(3, 2, projection), ".safetensors", 3)
+    convert(tmp_path / "src", tmp_path / "own", to="medusa_spec")
+    convert(tmp_path / "own", tmp_path / "back", to="medusa")
+
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
+    meta = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert meta == {"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": None}
+    written = load_file(tmp_path / "back" / "medusa_lm_head.safetensors")
+    assert written.keys() == original.keys()
+    for key in original:
+        assert torch.equal(written[key], original[key]), key
+
+
+def test_original_medusa_errors(tmp_path):
+    heads = original_medusa_heads(2, 1)
+    write_original(tmp_path, heads, ".safetensors", 2)
+    state_dict = load_file(tmp_path / "medusa_lm_head.safetensors")
+    del state_dict["1.0.linear.bias"]
+    save_file(state_dict, str(tmp_path / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=r"medusa_lm_head.safetensors: missing 1.0.linear.bias; the checkpoint is "
+                                         r"incomplete"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has a Medusa config.json but no medusa_lm_head.safetensors or "
+                                                "medusa_lm_head.pt"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+    write_original(tmp_path, heads, ".safetensors", 2)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+class NotATensor:
+    pass
+
+
+def test_pickled_objects_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
+    torch.save({"0.0.linear.weight": torch.zeros(32, 32), "extra": NotATensor()}, tmp_path / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match=r"medusa_lm_head.pt holds Python objects besides tensors, which "
+                                         r"torch.load\(weights_only=True\) refuses"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+    torch.save(original_medusa_heads(1, 1).state_dict(), tmp_path / "medusa_lm_head.pt")
+    data = (tmp_path / "medusa_lm_head.pt").read_bytes()
+    (tmp_path / "medusa_lm_head.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="medusa_lm_head.pt is truncated or corrupt"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
+# --- vLLM format --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_vllm_export_matches_vllm_layout(tmp_path, share_lm_head):
+    base = tiny_base()
+    model = random_medusa(base, num_heads=3, num_layers=2, share_lm_head=share_lm_head)
+    model.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=base)
+
+    meta = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert meta == {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 32, "vocab_size": 64,
+                    "num_heads": 3, "num_hidden_layers": 2, "medusa_fc_bias": True, "original_lm_head": share_lm_head}
+    written = load_file(tmp_path / "vllm" / "model.safetensors")
+    heads = model.heads.state_dict()
+    expected_keys = set(heads) | ({"lm_head.weight"} if share_lm_head else set())
+    assert set(written) == expected_keys
+    for key in heads:
+        assert torch.equal(written[key], heads[key]), key
+    if share_lm_head:
+        assert torch.equal(written["lm_head.weight"], base.lm_head.weight)
+
+    config, state_dict = read_heads(tmp_path / "vllm")
+    assert (config.num_heads, config.num_layers, config.share_lm_head) == (3, 2, share_lm_head)
+    assert state_dict.keys() == heads.keys() and all(torch.equal(state_dict[k], heads[k]) for k in heads)
+
+
+def test_vllm_import_without_biases_and_errors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "num_hidden_layers": 1,
+                                                      "medusa_fc_bias": False, "original_lm_head": True}))
+    weight = torch.randn(32, 32)
+    save_file({"medusa_heads.blocks.0.layers.0.weight": torch.randn(32, 32), "medusa_heads.blocks.1.layers.0.weight": weight,
+               "lm_head.weight": torch.randn(64, 32)}, str(tmp_path / "model.safetensors"))
+    config, state_dict = read_heads(tmp_path)
+    assert config.share_lm_head and config.num_heads == 2
+    assert torch.equal(state_dict["blocks.1.layers.0.weight"], weight)
+    assert torch.equal(state_dict["blocks.1.layers.0.bias"], torch.zeros(32))  # bias-free computes the same
+
+    save_file({"token_map": torch.arange(10)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="truncated draft vocabulary"):
+        read_heads(tmp_path)
+
+
+def test_vllm_export_of_shared_heads_needs_the_base_model(tmp_path):
+    random_medusa(tiny_base(), share_lm_head=True).save_heads(tmp_path / "own")
+    with pytest.raises(ValueError, match=r"stores the LM head these heads share .* pass base_model="):
+        convert(tmp_path / "own", tmp_path / "vllm", to="vllm")
+    with pytest.raises(ValueError, match="unknown format 'tgi'; choose one of medusa_spec, medusa, vllm"):
+        convert(tmp_path / "own", tmp_path / "tgi", to="tgi")
+    with pytest.raises(ValueError, match="heads have hidden_size=32 but the base model .*has 48"):
+        convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=tiny_base(hidden_size=48))
+
+
+def test_convert_command(tmp_path):
+    base = tiny_base()
+    base.save_pretrained(tmp_path / "base")
+    model = random_medusa(base, num_heads=2, share_lm_head=True)
+    model.save_heads(tmp_path / "own")
+    parser = argparse.ArgumentParser(prog="medusa-spec")
+    add_convert_command(parser.add_subparsers(dest="command", required=True))
+    for fmt in FORMATS:
+        args = parser.parse_args(["convert", str(tmp_path / "own"), str(tmp_path / fmt), "--to", fmt,
+                                  "--base-model", str(tmp_path / "base")])
+        assert args.func(args) == 0
+        assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / fmt), model)
+    assert torch.equal(load_file(tmp_path / "vllm" / "model.safetensors")["lm_head.weight"], base.lm_head.weight)
+    # The base model's path is recorded where the source had no name.
+    assert json.loads((tmp_path / "medusa" / "config.json").read_text())["base_model_name_or_path"] == \
+        str(tmp_path / "base")
+
+
+# --- Medusa-2: LoRA beside the heads -------------------------------------------------------------------------------
+
+def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(4)
+    lora = get_peft_model(tiny_base(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.eval()
+    model = random_medusa(lora.get_base_model(), num_heads=3)
+    model.save_heads(tmp_path, lora=lora)
+    assert (tmp_path / "lora" / "adapter_config.json").is_file()
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
+
+    loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path)
+    lora_state = {k: v for k, v in model.base_model.state_dict().items() if "lora_" in k}
+    loaded_state = {k: v for k, v in loaded.base_model.state_dict().items() if "lora_" in k}
+    assert lora_state and lora_state.keys() == loaded_state.keys()
+    assert all(torch.equal(lora_state[k], loaded_state[k]) for k in lora_state)
+    assert_same_heads(loaded, model)
+    assert torch.equal(greedy(loaded)[0], greedy(model)[0])
+    with torch.no_grad():  # the LoRA is live: the adapted base differs from the plain one
+        assert not torch.equal(loaded.base_model(PROMPT).logits, tiny_base()(PROMPT).logits)
+
+    with pytest.raises(ValueError, match="lora must be the peft model wrapping this MedusaModel's base_model"):
+        random_medusa(tiny_base()).save_heads(tmp_path / "other", lora=lora)
+
+    # An interrupted heads-only save restores the LoRA adapter with the old heads.
+    real_replace, calls = os.replace, []
+
+    def flaky_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:  # 1: the old lora/ set aside, 2: the weights, 3: the config
+            raise OSError("interrupted")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", flaky_replace)
+    with pytest.raises(OSError, match="interrupted"):
+        random_medusa(tiny_base(), seed=2).save_heads(tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / "lora" / "adapter_config.json").is_file()
+    assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path), model)
+
+    # A completed heads-only save drops the stale LoRA adapter.
+    random_medusa(tiny_base(), seed=2).save_heads(tmp_path)
+    assert not (tmp_path / "lora").exists()
+
+    (tmp_path / "lora").mkdir()
+    with pytest.raises(FileNotFoundError, match="lora has no adapter_config.json"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
