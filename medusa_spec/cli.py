@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from . import default_model
 from .config import MedusaConfig
 from .formats import add_convert_command
 from .model import MedusaModel
@@ -57,9 +58,13 @@ def generate(args) -> int:
     """Generate from a local model folder, streaming text; --compare also times plain decoding."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(args.device).eval()
-    mm = MedusaModel.from_pretrained(base, args.heads) if args.heads else MedusaModel.from_base(base)
+    model_path = args.model or default_model.prepare()
+    heads = args.heads
+    if heads is None and args.model is None and (default_model.HEADS_DIR / "medusa_config.json").is_file():
+        heads = default_model.HEADS_DIR
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
     if tokenizer.chat_template:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
@@ -102,8 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("generate", help="generate text with Medusa heads")
     p.add_argument("prompt")
-    p.add_argument("--model", required=True, help="local folder of a transformers causal LM (with its tokenizer)")
-    p.add_argument("--heads", default=None, help="adapter folder written by save_heads (default: untrained heads)")
+    p.add_argument("--model", default=None,
+                   help="local folder of a transformers causal LM with its tokenizer (default: SmolLM2-135M-Instruct "
+                        f"from the {default_model.DISTRIBUTION} package)")
+    p.add_argument("--heads", default=None,
+                   help="adapter folder (default: the shipped heads for the default model, else untrained heads)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")

