@@ -187,3 +187,16 @@ def test_transformers_text_streamer_works(capsys):
     out = medusa(model).generate(ids, max_new_tokens=6, eos_token_id=[], streamer=TextStreamer(Digits(), skip_prompt=True))
     printed = capsys.readouterr().out.split()
     assert printed == [str(t) for t in out.sequences[0, ids.shape[1]:].tolist()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_runs_in_the_base_models_dtype(dtype):
+    model = tiny_model("qwen3").to(dtype)
+    ids = prompt(seed=13)
+    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
+    mm = medusa(model, OracleHeads(model, expected))
+    out = mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE)
+    assert torch.equal(out.sequences, expected) and out.stats.tokens_per_step > 2
+    real_heads = medusa(model)
+    assert real_heads.heads.blocks[0].layers[0].weight.dtype == dtype
+    assert torch.equal(real_heads.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE).sequences, expected)
