@@ -6,14 +6,18 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from . import default_model
+from . import bench, default_model
 from .config import MedusaConfig
 from .formats import add_convert_command
+from .train.cli import add_train_commands
 from .model import MedusaModel
 
+# The evaluation prompts beside this repository (../shared/data/eval, see its SOURCES.md).
+DEFAULT_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench_question.jsonl"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,9 +58,9 @@ def demo(args) -> int:
     return 0 if torch.equal(out.sequences, plain) else 1
 
 
-def generate(args) -> int:
-    """Generate from a local model folder, streaming text; --compare also times plain decoding."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+def load(args):
+    """(MedusaModel, tokenizer) from --model/--heads; without --model, the default model and its shipped heads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path = args.model or default_model.prepare()
     heads = args.heads
@@ -65,11 +69,18 @@ def generate(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    if heads is None:
+        print("[no heads given: untrained heads, expect no speed-up]", file=sys.stderr)
+    return mm, tokenizer
+
+
+def generate(args) -> int:
+    """Generate, streaming text; --compare also times plain decoding."""
+    from transformers import TextStreamer
+
+    mm, tokenizer = load(args)
+    base = mm.base_model
+    ids = bench.encode(tokenizer, args.prompt)
     out = mm.generate(ids, max_new_tokens=args.max_new_tokens, tree=args.tree,
                       streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **_sampling_kwargs(args))
     stats = out.stats
@@ -84,6 +95,29 @@ def generate(args) -> int:
               + (f"; identical: {torch.equal(plain.cpu(), out.sequences.cpu())}]" if not args.do_sample else "]"),
               file=sys.stderr)
     return 0
+
+
+def run_bench(args) -> int:
+    mm, tokenizer = load(args)
+    prompts = bench.read_eval_prompts(args.prompts, args.per_category)
+    records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, seed=args.seed)
+    meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(args.heads or default_model.HEADS_DIR),
+            "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+            "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype}
+    report = bench.write_report(records, args.out, meta)
+    print(bench.markdown(report["summary"]))
+    print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if report["plotted"] else " (pip install matplotlib for bench.png)"))
+    return 0
+
+
+def _add_model_options(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local folder of a transformers causal LM with its tokenizer (default: SmolLM2-135M-Instruct "
+                             f"from the {default_model.DISTRIBUTION} package)")
+    parser.add_argument("--heads", default=None,
+                        help="adapter folder (default: the shipped heads for the default model, else untrained heads)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _add_generation_options(parser) -> None:
@@ -107,17 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("generate", help="generate text with Medusa heads")
     p.add_argument("prompt")
-    p.add_argument("--model", default=None,
-                   help="local folder of a transformers causal LM with its tokenizer (default: SmolLM2-135M-Instruct "
-                        f"from the {default_model.DISTRIBUTION} package)")
-    p.add_argument("--heads", default=None,
-                   help="adapter folder (default: the shipped heads for the default model, else untrained heads)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    _add_model_options(p)
     p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
     _add_generation_options(p)
     p.set_defaults(func=generate)
 
+    p = commands.add_parser("bench", help="compare decoding methods on evaluation prompts")
+    _add_model_options(p)
+    p.add_argument("--prompts", default=str(DEFAULT_EVAL), help="MT-bench-shaped JSONL (first turns are used)")
+    p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--tree", type=_tree_arg, default=None, help="JSON rank paths; default: the heads' tree")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
+    p.set_defaults(func=run_bench)
+
+    add_train_commands(commands)
     add_convert_command(commands)
     return parser
 

@@ -35,3 +35,23 @@ def test_generate_streams_and_compares(model_dir, capsys):
 def test_bad_tree_is_a_clean_error(model_dir, capsys):
     assert main(["generate", "w5", "--model", str(model_dir), "--tree", "[[0,0]]"]) == 2
     assert "no parent [0]" in capsys.readouterr().err
+
+
+def test_bench_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
+    import json
+
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("\n".join(json.dumps({"category": c, "turns": [t, "second turn"]}) for c, t in
+                                 [("a", "w5 w6 w7"), ("a", "w9 w9"), ("b", "w11 w12 w13 w14"), ("a", "w20")]))
+    out = tmp_path / "report"
+    assert main(["bench", "--model", str(model_dir), "--prompts", str(prompts), "--per-category", "2",
+                 "--max-new-tokens", "10", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    summary = report["summary"]
+    assert set(summary) == {"a", "b", "overall"} and summary["overall"]["hf_greedy"]["prompts"] == 3
+    for method in ("hf_prompt_lookup", "medusa_off", "medusa_greedy"):
+        assert summary["overall"][method]["equal_to_reference"] == 1.0, method
+    assert summary["overall"]["medusa_off"]["tokens_per_step"] == 1.0
+    assert summary["overall"]["hf_greedy"]["speedup"] == 1.0
+    assert "| overall | medusa_greedy |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 1000

@@ -1,0 +1,159 @@
+"""`medusa-spec bench`: every decoding method on the same prompts, in one process, alternating per prompt.
+
+Methods: transformers greedy `generate` (the reference), transformers prompt-lookup decoding,
+this library with speculation off (same loop, root-only tree), greedy with the tree, and
+sampling at T=0.7. Reports tokens/s, mean tokens per step, speed-up over the reference and, for
+greedy methods, the fraction of prompts whose output equals the reference token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+METHODS = ("hf_greedy", "hf_prompt_lookup", "medusa_off", "medusa_greedy", "medusa_sample")
+GREEDY = ("hf_prompt_lookup", "medusa_off", "medusa_greedy")
+REFERENCE = "hf_greedy"
+
+
+def read_eval_prompts(path: str | Path, per_category: int | None = None) -> list[tuple[str, str]]:
+    """(category, first turn) of an MT-bench-shaped JSONL file (`turns`, optional `category`)."""
+    prompts, seen = [], defaultdict(int)
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        turns = record.get("turns") if isinstance(record, dict) else None
+        if not turns or not isinstance(turns[0], str):
+            raise ValueError(f"{path}:{number}: expected a JSON object with a `turns` list of strings (MT-bench shape)")
+        category = str(record.get("category", "all"))
+        if per_category is None or seen[category] < per_category:
+            seen[category] += 1
+            prompts.append((category, turns[0]))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def encode(tokenizer, text: str) -> torch.Tensor:
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tree) -> dict:
+    """One generation; returns new tokens, seconds, forward passes (None where unknown) and the sequence."""
+    base = mm.base_model
+    input_ids = input_ids.to(base.device)
+    start = time.perf_counter()
+    if method.startswith("hf_"):
+        extra = {"prompt_lookup_num_tokens": 10} if method == "hf_prompt_lookup" else {}
+        with torch.inference_mode():
+            sequence = base.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                     max_new_tokens=max_new_tokens, **extra)[0]
+        seconds = time.perf_counter() - start
+        new = sequence.shape[0] - input_ids.shape[1]
+        steps = new if method == REFERENCE else None
+    else:
+        sampling = dict(do_sample=True, temperature=0.7) if method == "medusa_sample" else {}
+        out = mm.generate(input_ids, max_new_tokens=max_new_tokens, tree=[] if method == "medusa_off" else tree,
+                          **sampling)
+        seconds = time.perf_counter() - start
+        sequence, new, steps = out.sequences[0], out.stats.new_tokens[0], out.stats.row_steps[0]
+    return {"new_tokens": new, "seconds": seconds, "steps": steps, "sequence": sequence.cpu()}
+
+
+def bench(mm, tokenizer, prompts: list[tuple[str, str]], max_new_tokens: int = 256, tree=None,
+          methods=METHODS, seed: int = 0) -> list[dict]:
+    """Per-prompt records of every method; the methods' order rotates from prompt to prompt."""
+    torch.manual_seed(seed)
+    warm = encode(tokenizer, "Hello")
+    for method in methods:  # first calls pay one-off costs (allocations, kernel selection)
+        run_method(method, mm, warm, 4, tree)
+    records = []
+    for i, (category, text) in enumerate(tqdm(prompts, desc="bench", unit="prompt")):
+        input_ids = encode(tokenizer, text)
+        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        results = {method: run_method(method, mm, input_ids, max_new_tokens, tree) for method in order}
+        reference = results[REFERENCE]["sequence"] if REFERENCE in results else None
+        for method, result in results.items():
+            sequence = result.pop("sequence")
+            if reference is not None and method in GREEDY:
+                result["equal_to_reference"] = torch.equal(sequence, reference)
+            records.append({"prompt": i, "category": category, "method": method, **result})
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    """{group: {method: figures}} for every category and "overall"."""
+    groups = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        for group in (record["category"], "overall"):
+            groups[group][record["method"]].append(record)
+    summary = {}
+    for group, by_method in groups.items():
+        rate = {m: sum(r["new_tokens"] for r in rs) / sum(r["seconds"] for r in rs) for m, rs in by_method.items()}
+        summary[group] = {}
+        for method, rs in by_method.items():
+            steps = [r["steps"] for r in rs]
+            figures = {"prompts": len(rs), "new_tokens": sum(r["new_tokens"] for r in rs),
+                       "tokens_per_second": round(rate[method], 2),
+                       "tokens_per_step": round(sum(r["new_tokens"] for r in rs) / sum(steps), 3) if None not in steps else None,
+                       "speedup": round(rate[method] / rate[REFERENCE], 3) if REFERENCE in rate else None}
+            if method in GREEDY and REFERENCE in rate:
+                figures["equal_to_reference"] = round(sum(r["equal_to_reference"] for r in rs) / len(rs), 3)
+            summary[group][method] = figures
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| group | method | tok/s | tokens/step | speed-up | = greedy |", "|---|---|---|---|---|---|"]
+    for group in sorted(summary, key=lambda g: (g == "overall", g)):
+        for method, f in summary[group].items():
+            cells = [group, method, f"{f['tokens_per_second']:.1f}",
+                     "-" if f["tokens_per_step"] is None else f"{f['tokens_per_step']:.2f}",
+                     "-" if f["speedup"] is None else f"{f['speedup']:.2f}x",
+                     f"{f['equal_to_reference']:.0%}" if "equal_to_reference" in f else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> bool:
+    """Speed-up by category and method as a PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    groups = sorted(summary, key=lambda g: (g == "overall", g))
+    methods = [m for m in METHODS if any(m in summary[g] for g in groups)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4))
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        ax.bar([i + j * width for i in range(len(groups))],
+               [summary[g].get(method, {}).get("speedup") or 0 for g in groups], width, label=method)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=30, ha="right")
+    ax.set_ylabel(f"speed-up over {REFERENCE}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(records: list[dict], out_dir: str | Path, meta: dict) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(records)
+    (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "summary": summary, "records": records}, indent=1))
+    (out_dir / "bench.md").write_text(markdown(summary))
+    plotted = plot(summary, out_dir / "bench.png")
+    return {"summary": summary, "plotted": plotted}
