@@ -22,9 +22,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def _tree_arg(text: str):
-    """--tree: JSON rank paths, or 'off' for no speculation (one token per step)."""
+    """--tree: JSON rank paths, 'off' for no speculation (one token per step), or 'auto'."""
     if text == "off":
         return []
+    if text == "auto":
+        return text
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -71,7 +73,20 @@ def load(args):
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
     if heads is None:
         print("[no heads given: untrained heads, expect no speed-up]", file=sys.stderr)
+    if getattr(args, "tree", None) == "auto":
+        args.tree = _auto_tree(mm)
     return mm, tokenizer
+
+
+def _auto_tree(mm):
+    """--tree auto: measured on this machine when the heads carry rank accuracies, else the heads' own tree."""
+    if not mm.config.metrics.get("eval", {}).get("rank_accuracy"):
+        return None
+    tree, table = mm.auto_tree()
+    best = next(row for row in table if row["tree"] == tree)
+    print(f"[tree auto: {best['nodes']} nodes, {best['step_ms']} ms/step, expected {best['expected_tokens_per_step']} "
+          f"tokens/step]", file=sys.stderr)
+    return tree
 
 
 def generate(args) -> int:
@@ -122,7 +137,8 @@ def _add_model_options(parser) -> None:
 
 def _add_generation_options(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--tree", type=_tree_arg, default=None, help="JSON rank paths, or 'off'; default: the heads' tree")
+    parser.add_argument("--tree", type=_tree_arg, default="auto",
+                        help="JSON rank paths, 'off', or 'auto' (fastest for this machine and the heads' accuracies)")
     parser.add_argument("--do-sample", action="store_true")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
@@ -151,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=str(DEFAULT_EVAL), help="MT-bench-shaped JSONL (first turns are used)")
     p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--tree", type=_tree_arg, default=None, help="JSON rank paths; default: the heads' tree")
+    p.add_argument("--tree", type=_tree_arg, default="auto",
+                   help="JSON rank paths, or 'auto' (fastest for this machine and the heads' accuracies)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
     p.set_defaults(func=run_bench)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import formats, io
+from . import autotree, formats, io
 from .accept import Sampling
 from .base import inspect_base_model, model_device_dtype
 from .config import MedusaConfig
@@ -75,6 +75,17 @@ class MedusaModel(nn.Module):
         """The Tree used by generate(): given choices, else the adapter's calibrated tree, else a default."""
         choices = tree if tree is not None else (self.config.tree or default_tree(self.config.num_heads))
         return build_tree(choices, self.config.num_heads)
+
+    def auto_tree(self, context: int = 256) -> tuple[list[list[int]], list[dict]]:
+        """The tree with the most expected tokens per second on this machine: verify-pass latency measured
+        against tree size, value from the rank accuracies measured in training (metrics.eval.rank_accuracy).
+        Returns (rank paths, the table of candidates). Takes a few seconds: call once, pass the tree on."""
+        rank_accuracy = self.config.metrics.get("eval", {}).get("rank_accuracy")
+        if not rank_accuracy:
+            raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
+                             "with an eval split or run `medusa-spec tree --model ... --data ...` first")
+        latency, head_seconds = autotree.measure_step_costs(self, context=context)
+        return autotree.choose_tree(rank_accuracy[: self.config.num_heads], latency, head_seconds)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,

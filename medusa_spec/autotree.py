@@ -1,0 +1,76 @@
+"""Hardware-aware tree choice: measure what a verify pass of n nodes costs on this machine and pick
+the tree with the most expected tokens per second for the heads' measured rank accuracies."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .kv_cache import keep_accepted, new_cache
+from .tree import build_tree, grow_tree
+from .verify import forward_block
+
+CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+
+
+def expected_tokens_per_step(choices, rank_accuracy) -> float:
+    """1 (the base model's own token) + every node's chance to be reached: its path's accuracies' product."""
+    return 1.0 + sum(math.prod(rank_accuracy[d][r] for d, r in enumerate(path)) for path in choices)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5) -> tuple[dict[int, float], float]:
+    """Seconds of one verify pass of n nodes after `context` cached tokens, for each n in sizes, and
+    of one call of the heads. The verified slots are dropped again after each pass."""
+    base, spec = mm.base_model, mm.spec
+    device = base.get_output_embeddings().weight.device
+    ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
+    pos = torch.arange(context, device=device)[None]
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    cache = new_cache()
+    _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
+                              cache, valid, pos, last_only=True)
+    latency = {}
+    for n in sizes:
+        tree = build_tree(grow_tree([[0.5] * n] * mm.config.num_heads, n)).to(device)
+        tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
+        q_pos = context + tree.depth[None]
+        kv_valid = torch.ones(1, context + tree.num_nodes, dtype=torch.bool, device=device)
+        kv_pos = torch.cat([pos, q_pos], dim=1)
+
+        def verify():
+            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos)
+            keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
+
+        verify()  # warm-up
+        latency[tree.num_nodes] = _median_seconds(verify, repeats)
+    lm_head = base.get_output_embeddings()
+    head_seconds = _median_seconds(lambda: mm.heads(hidden[:, -1], lm_head), repeats)
+    return latency, head_seconds
+
+
+def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float) -> tuple[list[list[int]], list[dict]]:
+    """The tree (rank paths) maximising expected tokens / (verify + heads seconds), and the table behind it.
+    A root-only tree (no speculation) needs no heads and is always a candidate."""
+    table = []
+    for n, seconds in sorted(latency.items()):
+        choices = grow_tree(rank_accuracy, n)
+        if len(choices) + 1 != n:
+            continue  # the accuracies allow no tree this large
+        expected = expected_tokens_per_step(choices, rank_accuracy)
+        step = seconds + (head_seconds if n > 1 else 0.0)
+        table.append({"nodes": n, "expected_tokens_per_step": round(expected, 3), "step_ms": round(1000 * step, 2),
+                      "expected_tokens_per_second": round(expected / step, 2), "tree": choices})
+    best = max(table, key=lambda row: row["expected_tokens_per_second"])
+    return best["tree"], table

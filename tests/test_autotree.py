@@ -1,0 +1,36 @@
+"""--tree auto: the tree with the most expected tokens per second for measured costs and accuracies."""
+
+import pytest
+import torch
+
+from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec.autotree import choose_tree, expected_tokens_per_step
+from tiny_models import tiny_model
+
+ACCURACY = [[0.8, 0.1], [0.6, 0.1]]
+
+
+def test_expected_tokens_per_step_is_the_sum_of_path_products():
+    assert expected_tokens_per_step([[0], [1], [0, 0]], ACCURACY) == pytest.approx(1 + 0.8 + 0.1 + 0.8 * 0.6)
+
+
+def test_choose_tree_trades_acceptance_against_measured_latency():
+    flat = {1: 0.010, 2: 0.010, 3: 0.010, 4: 0.010, 5: 0.010}
+    tree, table = choose_tree(ACCURACY, flat, head_seconds=0.001)
+    assert len(tree) == 4  # verification is free: the biggest tree wins
+    steep = {1: 0.010, 2: 0.020, 3: 0.030, 4: 0.040, 5: 0.050}
+    tree, _ = choose_tree(ACCURACY, steep, head_seconds=0.001)
+    assert tree == []  # every node costs more than it brings: no speculation
+    middle = {1: 0.010, 2: 0.011, 3: 0.030, 4: 0.031, 5: 0.032}
+    tree, table = choose_tree(ACCURACY, middle, head_seconds=0.0)
+    assert tree == [[0]] and {row["nodes"] for row in table} == {1, 2, 3, 4, 5}
+
+
+def test_auto_tree_measures_this_machine():
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, metrics={"eval": {"rank_accuracy": ACCURACY}}))
+    tree, table = mm.auto_tree(context=32)
+    assert all(row["step_ms"] > 0 for row in table)
+    assert tree in [row["tree"] for row in table]
+    assert mm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, eos_token_id=[], tree=tree).stats.new_tokens == [5]
+    with pytest.raises(ValueError, match="no measured rank accuracies"):
+        MedusaModel.from_base(tiny_model("llama")).auto_tree()
