@@ -18,5 +18,5 @@ for round in $(seq 1 "$ROUNDS"); do
     specs+=("$TRAIN/${entry%%:*}:$(( ${entry##*:} * round / ROUNDS ))")
   done
   medusa-spec distill --model "$MODEL" --prompts "${specs[@]}" --output "$OUT" \
-    --batch-size 24 --max-new-tokens 320 --max-prompt-tokens 1024
+    --batch-size 24 --max-new-tokens 320 --max-prompt-tokens 400
 done

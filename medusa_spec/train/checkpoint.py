@@ -1,0 +1,83 @@
+"""Atomic training checkpoints under <output_dir>/checkpoints/.
+
+A checkpoint is accelerate's state (trainable weights, optimizer, scheduler, RNG states of every
+process, grad scaler) plus trainer_state.json (the step and the config). It is written to a
+temporary folder, renamed into place, and only then named in `latest`: a kill at any moment
+leaves the previous checkpoint intact. The data position needs no saving: which rows a step
+reads is a pure function of the step (see loop.batch_indices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from accelerate.utils import DistributedType
+
+CHECKPOINTS, LATEST, STATE = "checkpoints", "latest", "trainer_state.json"
+# Settings that may differ on --resume without changing the weights reached.
+RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "log_every", "eval_every"}
+
+
+def keep_trainable_weights_only(accelerator) -> None:
+    """Checkpoint only parameters that train (heads, LoRA), not the frozen base, in the plain and
+    DDP cases; DeepSpeed writes its own checkpoint format with everything."""
+    def hook(models, weights, output_dir):
+        for i, model in enumerate(models):
+            trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+            weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
+    accelerator.register_save_state_pre_hook(hook)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, config: dict, keep: int) -> Path:
+    """Save the state after `step` optimizer steps; keep the newest `keep` checkpoints."""
+    root = Path(output_dir) / CHECKPOINTS
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a kill during an earlier save
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # every process writes its own RNG state
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE).write_text(json.dumps({"step": step, "config": config}, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomically(root / LATEST, final.name)
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    pointer = Path(output_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / STATE).is_file():
+        raise ValueError(f"{pointer} names {path.name}, which is missing or incomplete; "
+                         f"point it at another checkpoint in {pointer.parent} or delete {pointer} to start over")
+    return path
+
+
+def load_checkpoint(accelerator, path: Path, config: dict) -> int:
+    """Restore the state saved in `path` (refusing a different config); returns its step."""
+    state = json.loads((path / STATE).read_text())
+    changed = sorted(k for k in set(config) | set(state["config"])
+                     if k not in RESUMABLE_CHANGES and config.get(k) != state["config"].get(k))
+    if changed:
+        diff = ", ".join(f"{k}: {state['config'].get(k)!r} -> {config.get(k)!r}" for k in changed)
+        raise ValueError(f"--resume: the settings differ from those of {path} ({diff}); resume with the same "
+                         f"settings, or train into a new --output-dir")
+    # Plain/DDP checkpoints hold the trainable weights only (see keep_trainable_weights_only).
+    strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
+    accelerator.load_state(str(path), **strict)
+    return state["step"]

@@ -1,0 +1,95 @@
+"""The `distill`, `train` and `tree` subcommands: add_train_commands(subparsers) registers them;
+each sets `func`, which runs the command and returns the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from accelerate import Accelerator
+
+from ..base import inspect_base_model
+from ..model import MedusaModel
+from .data import make_rows, parse_prompt_spec, read_conversations, read_prompts, tokenize_conversation
+from .distill import DistillConfig, distill
+from .evaluate import calibrate_tree, evaluate
+from .load import load_model_and_tokenizer
+from .loop import TrainConfig, TrainModule, train
+from .options import add_options, resolve
+
+
+def run_distill(args) -> int:
+    cfg = resolve(DistillConfig, args, "distill")
+    prompts = []
+    for spec in cfg.prompts:
+        path, limit = parse_prompt_spec(spec)
+        prompts += read_prompts(path, cfg.prompt_field, limit)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.dtype, cfg.plain_text)
+    model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(json.dumps(distill(model, tokenizer, prompts, cfg)))
+    return 0
+
+
+def run_train(args) -> int:
+    train(resolve(TrainConfig, args, "train"))  # logs as it goes, and where it saved the adapter
+    return 0
+
+
+def run_tree(args) -> int:
+    eval_metrics = None
+    if args.model or args.data:
+        if not (args.model and args.data):
+            raise ValueError("tree: measuring needs both --model and --data (or neither, to use the saved metrics)")
+        eval_metrics = measure(args.adapter, args.model, args.data, args.max_length, args.batch_size, args.top_k,
+                               args.plain_text)
+    tree = calibrate_tree(args.adapter, args.nodes, eval_metrics)
+    print(json.dumps({"adapter": str(args.adapter), "nodes": args.nodes, "tree": tree}))
+    return 0
+
+
+def measure(adapter: str, model: str, data: list[str], max_length: int, batch_size: int, top_k: int,
+            plain_text: bool) -> dict:
+    """Rank accuracies of the adapter's heads on conversations, against its base's greedy tokens."""
+    base_model, tokenizer = load_model_and_tokenizer(model, "float32", plain_text)
+    medusa = MedusaModel.from_pretrained(base_model, adapter)  # applies a Medusa-2 LoRA adapter (lora/) too
+    spec = inspect_base_model(medusa.base_model)
+    examples = [tokenize_conversation(tokenizer, messages) for path in data for messages in read_conversations(path)]
+    rows = make_rows(examples, max_length, pack=True)
+    accelerator = Accelerator()
+    module = TrainModule(medusa.base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep).to(accelerator.device)
+    return evaluate(module, rows, batch_size, tokenizer.pad_token_id, top_k, accelerator)
+
+
+def add_train_commands(subparsers) -> None:
+    """Register `distill`, `train` and `tree` on an argparse subparsers object."""
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    p = subparsers.add_parser("distill", help="let the base model answer prompts (self-distillation data)",
+                              description="Answer prompt files with the base model's chat template; append the "
+                                          "conversations to --output as JSONL. Rerun the same command to resume.")
+    add_options(p, DistillConfig)
+    p.set_defaults(func=run_distill)
+
+    p = subparsers.add_parser("train", help="train Medusa heads (medusa1) or heads + LoRA (medusa2)",
+                              description="Train heads on distilled conversations and save the adapter into "
+                                          "--output-dir. Same command under `accelerate launch` for several GPUs.")
+    add_options(p, TrainConfig)
+    p.set_defaults(func=run_train)
+
+    p = subparsers.add_parser("tree", formatter_class=formatter,
+                              help="grow the adapter's default tree from measured head accuracies",
+                              description="Grow the sparse tree of --nodes nodes that maximises the expected accepted "
+                                          "length and store it in the adapter's medusa_config.json. Uses the "
+                                          "accuracies saved by training, or measures them with --model and --data.")
+    p.add_argument("--adapter", required=True, help="adapter folder written by `medusa-spec train`")
+    p.add_argument("--nodes", type=int, default=16, help="tree size, root included (larger suits GPUs)")
+    p.add_argument("--model", help="base model folder, to measure the accuracies afresh")
+    p.add_argument("--data", nargs="+", metavar="FILE", help="held-out conversation JSONL files to measure on")
+    p.add_argument("--max-length", type=int, default=TrainConfig.max_length, help="tokens per row when measuring")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="rows per batch when measuring")
+    p.add_argument("--top-k", type=int, default=TrainConfig.top_k, help="ranks measured per head")
+    p.add_argument("--plain-text", action="store_true", help="the tokenizer has no chat template (see train)")
+    p.set_defaults(func=run_tree)
+
+

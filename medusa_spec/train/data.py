@@ -1,0 +1,236 @@
+"""Training data: prompt readers (one per file format), chat-template tokenisation with an
+assistant-only loss mask, and padding or packing into rows of at most `max_length` tokens."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Used only when asked for (--plain-text): a model without a chat template is then trained,
+# distilled and must be prompted in this format ("User: ...\n\nAssistant: ..." + eos).
+PLAIN_TEXT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
+    "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str                 # "<file name>:<line>[:<instance>]", stable across runs: the resume key of distill
+    turns: tuple[str, ...]  # user turns, answered one after the other
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: list[int]
+    loss_mask: list[bool]   # True on assistant tokens: the only training targets
+
+
+# ---------------------------------------------------------------- prompt files
+
+def _field(record: dict, name: str) -> list[list[str]]:
+    """A string, or a list of strings (a multi-turn prompt such as MT-bench's `turns`)."""
+    value = record[name]
+    if isinstance(value, str):
+        return [[value]]
+    if isinstance(value, list):
+        return [value]
+    raise TypeError(f"{name} holds a {type(value).__name__}")
+
+
+def _human_turns(record: dict) -> list[list[str]]:
+    """OASST transcripts ("### Human: ... ### Assistant: ..."): keep the human turns; the base
+    model writes its own answers (self-distillation), so the recorded ones are dropped."""
+    text = record["input"]
+    if "### Human:" not in text:
+        return [[text]]
+    turns = [part.split("### Assistant:")[0].strip() for part in text.split("### Human:")[1:]]
+    return [turns]
+
+
+def _instruction(record: dict) -> list[list[str]]:
+    """self-instruct (`instances[].input`) or Alpaca (`input`): one prompt per input, the
+    instruction followed by that input."""
+    instruction = record["instruction"]
+    instances = record.get("instances") or [{"input": record.get("input", "")}]
+    inputs = [instance.get("input", "") for instance in instances]
+    return [[f"{instruction}\n\n{text}" if text.strip() else instruction] for text in inputs]
+
+
+# Record shape -> reader, tried in order on a file's first record (by shape, never by file name).
+_FORMATS = (
+    ("turns", lambda r: _field(r, "turns")),
+    ("instruction", _instruction),
+    ("input", _human_turns),
+    ("prompt", lambda r: _field(r, "prompt")),
+    ("question", lambda r: _field(r, "question")),
+    ("text", lambda r: _field(r, "text")),
+)
+
+
+def _reader_for(first, path: Path, prompt_field: str | None):
+    if isinstance(first, str):
+        return lambda r: [[r]], "a bare JSON string per line"
+    if not isinstance(first, dict):
+        raise ValueError(f"{path}:1: each line must be a JSON object or a JSON string, got {type(first).__name__}")
+    if prompt_field is not None:
+        return (lambda r: _field(r, prompt_field)), f"field {prompt_field!r}"
+    for key, reader in _FORMATS:
+        if key in first:
+            return reader, f"field {key!r}"
+    raise ValueError(f"{path}:1: no prompt field found (keys: {sorted(first)}); expected one of "
+                     f"{[key for key, _ in _FORMATS]}, or pass --prompt-field NAME")
+
+
+def parse_prompt_spec(spec: str) -> tuple[Path, int | None]:
+    """"FILE" or "FILE:N" (read at most N prompts from FILE, to balance a mix)."""
+    path, _, count = spec.rpartition(":")
+    if path and count.isdigit():
+        return Path(path), int(count)
+    return Path(spec), None
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, object]]:
+    """(line number, parsed value) for every non-blank line; clear errors for a missing or empty file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err}); one JSON value per line") from None
+    if not records:
+        raise ValueError(f"{path} is empty: it holds no JSON lines; give a JSONL file with one record per line")
+    return records
+
+
+def read_prompts(path: str | Path, prompt_field: str | None = None, limit: int | None = None) -> list[Prompt]:
+    """Prompts of one JSONL file; the format is read from its first record (see SOURCES.md)."""
+    path = Path(path)
+    records = read_jsonl(path)
+    reader, described = _reader_for(records[0][1], path, prompt_field)
+    prompts = []
+    for number, record in records:
+        try:
+            conversations = reader(record)
+        except (KeyError, TypeError, AttributeError):
+            raise ValueError(f"{path}:{number}: no prompt in {described} (the file's format, read from its first "
+                             f"record); fix the record, or name the prompt's field with --prompt-field NAME") from None
+        for i, turns in enumerate(conversations):
+            if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise ValueError(f"{path}:{number}: empty or non-text prompt {turns!r}; every prompt must be non-empty text")
+            prompts.append(Prompt(f"{path.name}:{number}" + (f":{i}" if len(conversations) > 1 else ""), tuple(turns)))
+        if limit is not None and len(prompts) >= limit:
+            return prompts[:limit]
+    return prompts
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    """Conversations written by distill: one {"messages": [{"role", "content"}, ...]} per line."""
+    conversations = []
+    for number, record in read_jsonl(path):
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"{path}:{number}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} "
+                             f"(the output of `medusa-spec distill`)")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{path}:{number}: the conversation has no assistant turn, so nothing to train on")
+        conversations.append(messages)
+    return conversations
+
+
+# ---------------------------------------------------------------- chat template
+
+def require_chat_template(tokenizer, plain_text: bool = False, source: str = "the tokenizer") -> None:
+    """Refuse a tokenizer without a chat template, unless the plain-text format was asked for."""
+    if tokenizer.chat_template:
+        return
+    if not plain_text:
+        raise ValueError(f"{source} has no chat template, so prompts cannot be formatted as the model expects. "
+                         f"Use an instruct/chat model, set tokenizer.chat_template, or pass --plain-text to use "
+                         f"the plain 'User: ...\\n\\nAssistant: ...' format (then prompt the model that way too)")
+    tokenizer.chat_template = PLAIN_TEXT_TEMPLATE
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
+    """Tokens of the rendered conversation; loss_mask marks each assistant turn (its end-of-turn
+    marker included, so the heads also learn where an answer stops).
+
+    Assistant spans are found in characters by rendering growing prefixes, then mapped to tokens
+    through offsets: robust to tokens merging across a boundary, and needs no `{% generation %}`
+    markers in the template.
+    """
+    text = render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(tokenizer, messages[:i], add_generation_prompt=True), render(tokenizer, messages[: i + 1])
+        if not (text.startswith(before) and text.startswith(through)):
+            raise ValueError("the chat template renders an earlier turn differently once later turns follow, so "
+                             "assistant tokens cannot be located; train on single-turn conversations or use another template")
+        spans.append((len(before), len(through)))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    loss_mask = [any(start <= begin < end for start, end in spans) for begin, _ in encoding["offset_mapping"]]
+    return Example(encoding["input_ids"], loss_mask)
+
+
+# ---------------------------------------------------------------- rows and batches
+
+def make_rows(examples: list[Example], max_length: int, pack: bool) -> list[list[Example]]:
+    """Group examples into rows of at most `max_length` tokens: one per row (padding) or, with
+    `pack`, consecutive examples sharing a row (each still attends only to itself).
+    Longer examples are truncated; those left with no assistant token are dropped."""
+    rows: list[list[Example]] = []
+    used = max_length  # forces a new row for the first example
+    for example in examples:
+        example = Example(example.input_ids[:max_length], example.loss_mask[:max_length])
+        if not any(example.loss_mask):
+            continue
+        if pack and used + len(example.input_ids) <= max_length:
+            rows[-1].append(example)
+            used += len(example.input_ids)
+        else:
+            rows.append([example])
+            used = len(example.input_ids)
+    return rows
+
+
+def collate(rows: list[list[Example]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Rows -> right-padded tensors [B, T], T = the longest row.
+
+    segment_ids: 1, 2, ... for the examples of a row, 0 on padding; position_ids restart at 0 for
+    every example, so a packed example sees the same positions as it would alone.
+    """
+    length = max(sum(len(e.input_ids) for e in row) for row in rows)
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    segment_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    position_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    for b, row in enumerate(rows):
+        start = 0
+        for segment, example in enumerate(row, start=1):
+            end = start + len(example.input_ids)
+            input_ids[b, start:end] = torch.tensor(example.input_ids)
+            loss_mask[b, start:end] = torch.tensor(example.loss_mask)
+            segment_ids[b, start:end] = segment
+            position_ids[b, start:end] = torch.arange(end - start)
+            start = end
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "segment_ids": segment_ids, "position_ids": position_ids}

@@ -1,0 +1,56 @@
+"""Config dataclasses whose fields carry their --help text, and the argparse flags built from them.
+
+Defaults live once, in the dataclass. A command's settings come from a recipe (--config FILE.json,
+one section per command) overridden by the flags given on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+
+def option(default, help: str, **extra):
+    """A config field with its --help text; extra: required=True, choices=(...)."""
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+def add_options(parser: argparse.ArgumentParser, cls) -> None:
+    """One --flag per field of `cls`; only flags given on the command line land in the namespace."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if typing.get_origin(kind) is not list:  # X | None -> X
+            kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        help_text = f.metadata["help"] + ("" if f.metadata.get("required") else f" (default: {f.default})")
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(flag, nargs="+", metavar="FILE", default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, choices=f.metadata.get("choices"), default=argparse.SUPPRESS,
+                                help=help_text)
+    parser.add_argument("--config", metavar="RECIPE.json", help="recipe file; flags given here override it")
+
+
+def resolve(cls, args: argparse.Namespace, section: str):
+    """An instance of `cls` from the recipe's `section`, then the flags given."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    if getattr(args, "config", None):
+        recipe = json.loads(Path(args.config).read_text(encoding="utf-8"))
+        values = dict(recipe.get(section, {}))
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"{args.config}: unknown {section!r} settings {unknown}; the names are those of the "
+                             f"flags, with _ for -")
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    missing = [f.name for f in dataclasses.fields(cls) if f.metadata.get("required") and values.get(f.name) is None]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ValueError(f"{section} needs {flags} (on the command line or in the recipe's {section!r} section)")
+    return cls(**values)

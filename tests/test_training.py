@@ -1,0 +1,482 @@
+"""Training pipeline (medusa_spec.train) on CPU with tiny models built here.
+
+The base model is a tiny Llama first taught to count ("count from w5" -> "w6 w7 w8 ..."), so its
+own greedy continuations are predictable several tokens ahead: heads trained on its
+self-distilled answers must then reach high accuracy and multi-token steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from medusa_spec import MedusaConfig, MedusaModel, grow_tree
+from medusa_spec.train import loop
+from medusa_spec.train.cli import add_train_commands
+from medusa_spec.train.data import (Example, Prompt, collate, make_rows, parse_prompt_spec, read_conversations,
+                                    read_prompts, require_chat_template, tokenize_conversation)
+from medusa_spec.train.distill import DistillConfig, answer, distill
+from medusa_spec.train.evaluate import count_rank_hits
+from medusa_spec.train.load import load_model_and_tokenizer
+from medusa_spec.train.loop import TrainConfig, TrainModule, train
+from medusa_spec.train.loss import heads_loss, kl_to_teacher, shifted_cross_entropy
+from medusa_spec.train.options import resolve
+
+WORDS = 24  # the counting vocabulary w0 .. w23, cyclic
+SPECIAL = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+ANSWER = 16  # words per answer in the base model's lessons
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: a second thread only adds contention on a shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_tokenizer(chat_template: str | None = TEMPLATE) -> PreTrainedTokenizerFast:
+    vocab = {t: i for i, t in enumerate(SPECIAL + ["count", "from"] + [f"w{i}" for i in range(WORDS)])}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
+                                   additional_special_tokens=SPECIAL[2:5])
+    fast.chat_template = chat_template
+    return fast
+
+
+def counting(start: int, length: int = ANSWER) -> str:
+    return " ".join(f"w{(start + i) % WORDS}" for i in range(1, length + 1))
+
+
+def ask(start: int) -> dict:
+    return {"role": "user", "content": f"count from w{start}"}
+
+
+def tiny_llama(tokenizer) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny Llama taught to count (full fine-tuning, ~3 s), saved with its tokenizer."""
+    tokenizer = make_tokenizer()
+    model = tiny_llama(tokenizer)
+    lessons = torch.tensor([tokenizer.apply_chat_template([ask(s), {"role": "assistant", "content": counting(s)}],
+                                                          tokenize=True, return_dict=False) for s in range(WORDS)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        model(input_ids=lessons, labels=lessons).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = tmp_path_factory.mktemp("base")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def conversations(base_dir, tmp_path_factory):
+    """48 self-distilled answers of the counting base model."""
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    output = tmp_path_factory.mktemp("data") / "conversations.jsonl"
+    prompts = [Prompt(f"p{i}", (f"count from w{i % WORDS}",)) for i in range(48)]
+    distill(base_model, tokenizer, prompts, distill_settings(base_dir, output, batch_size=16, max_new_tokens=ANSWER + 4),
+            progress=False)
+    return output
+
+
+def distill_settings(base_dir, output, **settings) -> DistillConfig:
+    return DistillConfig(model=str(base_dir), prompts=[], output=str(output), **settings)
+
+
+def small_run(base_dir, data, output_dir, **overrides) -> TrainConfig:
+    settings = dict(model=str(base_dir), data=[str(data)], output_dir=str(output_dir), num_heads=3, max_length=64,
+                    batch_size=4, lr=1e-2, warmup_steps=5, eval_examples=8, log_every=50, save_every=0)
+    return TrainConfig(**{**settings, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained(base_dir, conversations, tmp_path_factory):
+    """A Medusa-1 adapter: 100 steps on the self-distilled conversations."""
+    output_dir = tmp_path_factory.mktemp("medusa1")
+    summary = train(small_run(base_dir, conversations, output_dir, max_steps=100))
+    return output_dir, summary
+
+
+# ---------------------------------------------------------------- losses
+
+
+def one_hot_logits(ids: torch.Tensor, num_heads: int, vocab: int, lookahead) -> torch.Tensor:
+    """Head logits [B, T, K, V] that put all mass on ids[t + lookahead(k)] (0 where past the end)."""
+    batch, length = ids.shape
+    logits = torch.zeros(batch, length, num_heads, vocab)
+    for k in range(num_heads):
+        ahead = lookahead(k)
+        logits[:, : length - ahead, k] = 100.0 * torch.nn.functional.one_hot(ids[:, ahead:], vocab)
+    return logits
+
+
+def test_heads_loss_is_zero_for_the_right_shift_and_large_off_by_one():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(40, generator=g)[:12] for _ in range(2)])  # no repeats within a row
+    mask, segments = torch.ones_like(ids, dtype=torch.bool), torch.ones_like(ids)
+    right, per_head = heads_loss(one_hot_logits(ids, 3, 40, lambda k: k + 2), ids, mask, segments, decay=0.8)
+    assert right.item() < 1e-6 and per_head.max().item() < 1e-6
+    for wrong_shift in (lambda k: k + 1, lambda k: k + 3):
+        wrong, per_head = heads_loss(one_hot_logits(ids, 3, 40, wrong_shift), ids, mask, segments, decay=0.8)
+        assert wrong.item() > 50 and per_head.min().item() > 50
+
+
+def test_losses_skip_non_assistant_targets_and_other_examples_of_a_packed_row():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 8, 10, generator=g)
+    ids = torch.randint(0, 10, (1, 8), generator=g)
+    # Only position 6 -> token 7 is an assistant target of the same example as its predictor.
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    segments = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])
+    expected = torch.nn.functional.cross_entropy(logits[0, [1, 2, 6]], ids[0, [2, 3, 7]])
+    assert torch.allclose(shifted_cross_entropy(logits, ids, mask, segments, shift=1), expected)
+    # Shift 2: position 2 -> 4 crosses into the second example, so only 0 -> 2, 1 -> 3 and 5 -> 7 count.
+    expected = torch.nn.functional.cross_entropy(logits[0, [0, 1, 5]], ids[0, [2, 3, 7]])
+    assert torch.allclose(shifted_cross_entropy(logits, ids, mask, segments, shift=2), expected)
+
+
+def test_kl_to_teacher_is_zero_only_for_the_same_distribution():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 6, 11, generator=g)
+    mask, segments = torch.ones(2, 6, dtype=torch.bool), torch.ones(2, 6, dtype=torch.long)
+    assert kl_to_teacher(logits, logits.clone(), mask, segments).item() < 1e-6
+    assert kl_to_teacher(logits, torch.randn(2, 6, 11, generator=g), mask, segments).item() > 0.1
+
+
+def test_rank_hits_compare_with_the_base_greedy_token_at_that_offset():
+    base_logits = torch.zeros(1, 6, 9)
+    base_logits[0, torch.arange(6), torch.tensor([3, 5, 7, 2, 4, 6])] = 1.0  # greedy token for positions 1..6
+    head_logits = torch.zeros(1, 6, 1, 9)
+    head_logits[0, 0, 0, 5] = 2.0  # head 0 at t=0 guesses position 2: the base's token there is 5 -> rank 0
+    head_logits[0, 0, 0, 1] = 1.0
+    head_logits[0, 1, 0, 1] = 2.0  # at t=1 guesses position 3 (base: 7) with 7 second -> rank 1
+    head_logits[0, 1, 0, 7] = 1.0
+    ones = torch.ones(1, 6, dtype=torch.long)
+    hits, positions = count_rank_hits(head_logits, base_logits, ones.bool(), ones, top_k=2)
+    assert positions.tolist() == [4]
+    assert hits[0].tolist() == [1, 1]
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_packed_rows_give_each_example_the_logits_it_has_alone():
+    tokenizer = make_tokenizer()
+    model = tiny_llama(tokenizer).eval()
+    examples = [Example(list(range(6, 6 + n)), [True] * n) for n in (5, 9, 3)]
+    rows = make_rows(examples, max_length=16, pack=True)
+    assert [len(row) for row in rows] == [2, 1]
+    batch = collate(rows, tokenizer.pad_token_id)
+    module = TrainModule(model, MedusaModel.from_base(model).heads, bool_mask=True, takes_logits_to_keep=True)
+    with torch.no_grad():
+        packed = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True).base_logits
+        alone = [model(torch.tensor([e.input_ids])).logits[0] for e in examples]
+    assert torch.allclose(packed[0, :5], alone[0], atol=1e-5)
+    assert torch.allclose(packed[0, 5:14], alone[1], atol=1e-5)
+    assert torch.allclose(packed[1, :3], alone[2], atol=1e-5)
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns():
+    tokenizer = make_tokenizer()
+    messages = [ask(3), {"role": "assistant", "content": "w4 w5"}, ask(9), {"role": "assistant", "content": "w10"}]
+    example = tokenize_conversation(tokenizer, messages)
+    marked = [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m]
+    assert marked == ["w4", "w5", "<|end|>", "w10", "<|end|>"]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_prompt_readers_by_record_shape(tmp_path):
+    human = "### Human: Hi there ### Assistant: Hello! ### Human: Tell a joke ### Assistant:"
+    cases = {
+        "bare.jsonl": (["What is 2+2?"], [("What is 2+2?",)]),
+        "gsm.jsonl": ([{"question": "How many?", "answer": "3"}], [("How many?",)]),
+        "arena.jsonl": ([{"uid": "x", "prompt": "Write zig"}], [("Write zig",)]),
+        "mbpp.jsonl": ([{"text": "Write a function", "code": "def f(): pass"}], [("Write a function",)]),
+        "oasst.jsonl": ([{"input": human, "lang": "en"}], [("Hi there", "Tell a joke")]),
+        "mtbench.jsonl": ([{"question_id": 1, "turns": ["First?", "Second?"]}], [("First?", "Second?")]),
+        "self_instruct.jsonl": ([{"instruction": "Classify.", "instances": [{"input": "a cat"}, {"input": ""}]}],
+                                [("Classify.\n\na cat",), ("Classify.",)]),
+    }
+    for name, (records, turns) in cases.items():
+        prompts = read_prompts(write_jsonl(tmp_path / name, records))
+        assert [p.turns for p in prompts] == turns, name
+    capped = read_prompts(write_jsonl(tmp_path / "many.jsonl", [f"q{i}" for i in range(10)]), limit=4)
+    assert [p.id for p in capped] == ["many.jsonl:1", "many.jsonl:2", "many.jsonl:3", "many.jsonl:4"]
+
+
+SHARED_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
+
+
+@pytest.mark.skipif(not SHARED_TRAIN.is_dir(), reason="the shared prompt pools are not beside this checkout")
+def test_every_shared_prompt_pool_reads():
+    counts = {path.name: len(read_prompts(path)) for path in sorted(SHARED_TRAIN.glob("*.jsonl"))}
+    assert counts["gsm8k_train.jsonl"] == 7473 and counts["mbpp.jsonl"] == 974
+    assert counts["oasst1_val_prompts_qlora_oa_questions.jsonl"] == 953
+    assert counts["arena_hard_v2.0_question.jsonl"] == 750 and counts["oasst_prompt_lottery_en_250.jsonl"] == 250
+    assert counts["self_instruct_seed_tasks.jsonl"] >= 175  # one prompt per instance
+    multi_turn = [p for p in read_prompts(SHARED_TRAIN / "oasst1_val_prompts_qlora_oa_questions.jsonl") if len(p.turns) > 1]
+    assert multi_turn and all("### " not in turn for p in multi_turn for turn in p.turns)
+
+
+def test_bad_prompt_files_say_what_to_fix(tmp_path):
+    with pytest.raises(ValueError, match="no prompt field.*--prompt-field"):
+        read_prompts(write_jsonl(tmp_path / "a.jsonl", [{"id": 1, "body": "x"}]))
+    with pytest.raises(ValueError, match=r"b.jsonl:2: .*no prompt in field 'question'"):
+        read_prompts(write_jsonl(tmp_path / "b.jsonl", [{"question": "ok"}, {"answer": "no question"}]))
+    with pytest.raises(ValueError, match="no prompt in field 'query'"):
+        read_prompts(write_jsonl(tmp_path / "c.jsonl", [{"question": "ok"}]), prompt_field="query")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "broken.jsonl").write_text('"fine"\n{"question": \n')
+    with pytest.raises(ValueError, match="broken.jsonl:2: not valid JSON"):
+        read_prompts(tmp_path / "broken.jsonl")
+    with pytest.raises(FileNotFoundError):
+        read_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="no assistant turn"):
+        read_conversations(write_jsonl(tmp_path / "d.jsonl", [{"messages": [ask(1)]}]))
+
+
+def test_a_tokenizer_without_chat_template_is_refused_unless_plain_text(tmp_path):
+    tokenizer = make_tokenizer(chat_template=None)
+    with pytest.raises(ValueError, match="no chat template.*--plain-text"):
+        require_chat_template(tokenizer)
+    tiny_llama(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no chat template"):
+        load_model_and_tokenizer(tmp_path)
+    _, tokenizer = load_model_and_tokenizer(tmp_path, plain_text=True)
+    example = tokenize_conversation(tokenizer, [{"role": "user", "content": "count from w1"},
+                                                {"role": "assistant", "content": "w2 w3"}])
+    marked = [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m]
+    assert marked == ["w2", "w3", "<|end|>"]  # the plain format ends an answer with eos
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def test_distill_answers_turn_by_turn_and_resumes(base_dir, tmp_path):
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    prompts = [Prompt("two", ("count from w2", "count from w20"))] + [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(5)]
+    output = tmp_path / "out.jsonl"
+    cfg = distill_settings(base_dir, output, batch_size=3, max_new_tokens=6)
+    first = distill(base_model, tokenizer, prompts[:4], cfg, progress=False)
+    assert first["written"] == 4 and first["new_tokens"] > 0
+    records = {r["id"]: r["messages"] for r in map(json.loads, output.read_text().splitlines())}
+    assert [m["role"] for m in records["two"]] == ["user", "assistant", "user", "assistant"]
+    assert records["two"][1]["content"] == counting(2, 6)
+    # The second turn was answered after the model's own first answer (here it changes the reply).
+    with_history, alone = (answer(base_model, tokenizer, [messages], cfg)[0][0]
+                           for messages in (records["two"][:3], records["two"][2:3]))
+    assert records["two"][3]["content"] == with_history != alone
+    # A kill in the middle of a line: the partial line is dropped, then only missing prompts run.
+    lines = output.read_text().splitlines(keepends=True)
+    output.write_text("".join(lines[:2]) + lines[2][:10])
+    second = distill(base_model, tokenizer, prompts, cfg, progress=False)
+    assert second["skipped_finished"] == 2 and second["written"] == 4
+    ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]
+    assert sorted(ids) == sorted(p.id for p in prompts)
+    # Over max_prompt_tokens: a first turn is skipped, a later turn ends the conversation before it.
+    short = distill_settings(base_dir, tmp_path / "short.jsonl", max_new_tokens=6, max_prompt_tokens=10)
+    stats = distill(base_model, tokenizer, [Prompt("long", ("count from w1 " * 5,)), prompts[0]], short, progress=False)
+    assert (stats["written"], stats["skipped_too_long"]) == (1, 1)
+    record = json.loads((tmp_path / "short.jsonl").read_text())
+    assert record["id"] == "two" and [m["role"] for m in record["messages"]] == ["user", "assistant"]
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_medusa1_lifts_head_accuracy_and_generation_takes_several_tokens_per_step(trained, base_dir):
+    output_dir, summary = trained
+    top1 = summary["eval"]["top1"]
+    assert len(top1) == 3 and min(top1) > 0.5, top1  # chance is 1/32
+    config = MedusaConfig.from_json_file(output_dir / "medusa_config.json")
+    assert config.metrics["eval"]["top1"] == top1 and config.metrics["train"]["steps"] == 100
+
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    medusa = MedusaModel.from_pretrained(base_model, output_dir)
+    prompt = torch.tensor([tokenizer.apply_chat_template([ask(7)], add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)])
+    out = medusa.generate(prompt, max_new_tokens=ANSWER)
+    assert out.stats.tokens_per_step > 1.5, out.stats.to_dict()
+    expected = base_model.generate(prompt, max_new_tokens=ANSWER, do_sample=False)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_tree_command_stores_the_tree_grown_from_measured_accuracies(trained, base_dir, conversations):
+    output_dir, summary = trained
+    parser = argparse.ArgumentParser()
+    add_train_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["tree", "--adapter", str(output_dir), "--nodes", "6"])
+    assert args.func(args) == 0
+    config = MedusaConfig.from_json_file(output_dir / "medusa_config.json")
+    assert config.tree == grow_tree(summary["eval"]["rank_accuracy"], 6) and len(config.tree) == 5
+    assert config.metrics["tree"]["expected_tokens_per_step"] > 2
+    # Measured afresh on the data: all 48 conversations, more positions than the 8 held out in training.
+    args = parser.parse_args(["tree", "--adapter", str(output_dir), "--nodes", "4", "--model", str(base_dir),
+                              "--data", str(conversations), "--max-length", "64"])
+    assert args.func(args) == 0
+    config = MedusaConfig.from_json_file(output_dir / "medusa_config.json")
+    assert len(config.tree) == 3 and config.metrics["eval"]["positions"][0] > summary["eval"]["positions"][0]
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_after(monkeypatch, micro_batches: int):
+    """Make the training loop die at its `micro_batches`+1-th loss computation, as a kill would."""
+    calls = []
+    real = loop.combined_loss
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > micro_batches:
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "combined_loss", dying)
+
+
+@pytest.mark.parametrize("mode", ["medusa1", "medusa2"])
+def test_resume_after_a_kill_reaches_the_weights_of_an_uninterrupted_run(mode, base_dir, conversations, tmp_path,
+                                                                         monkeypatch):
+    def run(output_dir, **extra):
+        # grad_accum and (for medusa2) LoRA dropout: resuming must restore the micro-batch position and RNG.
+        return train(small_run(base_dir, conversations, output_dir, mode=mode, max_steps=6, save_every=2,
+                               grad_accum=2, lora_dropout=0.1, eval_examples=4, **extra))
+
+    run(tmp_path / "straight")
+    with monkeypatch.context() as patch:
+        kill_after(patch, 9)  # dies in step 5, one step after the checkpoint of step 4
+        with pytest.raises(Killed):
+            run(tmp_path / "killed")
+    with pytest.raises(ValueError, match="--resume"):
+        run(tmp_path / "killed")
+    with pytest.raises(ValueError, match="settings differ.*lr"):
+        run(tmp_path / "killed", resume=True, lr=2e-2)
+    resumed = run(tmp_path / "killed", resume=True)
+    assert resumed["start_step"] == 4
+    straight, killed = (load_file(tmp_path / d / "medusa_heads.safetensors") for d in ("straight", "killed"))
+    assert straight.keys() == killed.keys() and all(torch.equal(straight[k], killed[k]) for k in straight)
+    if mode == "medusa2":
+        straight, killed = (load_file(tmp_path / d / "lora" / "adapter_model.safetensors") for d in ("straight", "killed"))
+        assert all(torch.equal(straight[k], killed[k]) for k in straight)
+
+
+def test_cached_hidden_states_run_the_base_once_per_row_and_train_the_same(base_dir, conversations, tmp_path):
+    calls = []
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: calls.append(1) if isinstance(module, LlamaForCausalLM) else None)
+    try:
+        summaries = {}
+        for cached in (False, True):
+            calls.clear()
+            summaries[cached] = train(small_run(base_dir, conversations, tmp_path / str(cached), epochs=3,
+                                                cache_hidden=cached, batch_size=2))
+            summaries[cached]["calls"] = len(calls)
+    finally:
+        hook.remove()
+    per_epoch = summaries[True]["train_rows"] // 2
+    eval_batches = math.ceil(summaries[True]["eval_rows"] / 2)
+    assert summaries[False]["calls"] == 3 * per_epoch + eval_batches
+    assert summaries[True]["calls"] == per_epoch + eval_batches
+    plain, cached = (load_file(tmp_path / d / "medusa_heads.safetensors") for d in ("False", "True"))
+    assert all(torch.allclose(plain[k], cached[k], atol=1e-6) for k in plain)
+
+
+def test_medusa2_trains_lora_and_heads_saves_lora_beside_the_heads_and_loads_back(base_dir, conversations, tmp_path):
+    warmup_only = train(small_run(base_dir, conversations, tmp_path / "warm", mode="medusa2", max_steps=2,
+                                  heads_warmup_steps=2, lora_r=4))
+    lora_b = {k: v for k, v in load_file(tmp_path / "warm" / "lora" / "adapter_model.safetensors").items() if "lora_B" in k}
+    assert lora_b and all(not v.any() for v in lora_b.values())  # heads-only warm-up: LoRA still at its zero init
+    assert warmup_only["steps"] == 2
+
+    summary = train(small_run(base_dir, conversations, tmp_path / "joint", mode="medusa2", max_steps=6,
+                              heads_warmup_steps=2, lora_r=4, base_loss="kl"))
+    output_dir = tmp_path / "joint"
+    assert (output_dir / "lora" / "adapter_config.json").is_file()
+    assert (output_dir / "medusa_heads.safetensors").is_file() and summary["mode"] == "medusa2"
+    lora = load_file(output_dir / "lora" / "adapter_model.safetensors")
+    assert any(v.any() for k, v in lora.items() if "lora_B" in k)  # the base was tuned after the warm-up
+
+    tokenizer = make_tokenizer()
+    base_model = AutoModelForCausalLM.from_pretrained(base_dir)
+    medusa = MedusaModel.from_pretrained(base_model, output_dir)  # applies lora/ to the base
+    heads = load_file(output_dir / "medusa_heads.safetensors")
+    assert all(torch.equal(medusa.heads.state_dict()[k], heads[k]) for k in heads)
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), output_dir / "lora").eval()
+    prompt = torch.tensor([tokenizer.apply_chat_template([ask(3)], add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)])
+    with torch.no_grad():
+        assert torch.allclose(medusa.base_model(prompt).logits, tuned(input_ids=prompt).logits, atol=1e-5)
+    out = medusa.generate(prompt, max_new_tokens=8)
+    assert torch.equal(out.sequences, tuned.generate(input_ids=prompt, max_new_tokens=8, do_sample=False))
+
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "training" / "recipes").glob("*.json"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
+def test_shipped_recipes_hold_valid_settings_and_existing_prompt_files(recipe):
+    parser = argparse.ArgumentParser()
+    add_train_commands(parser.add_subparsers(dest="command"))
+    cfg = resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe), "--model", "m"]), "train")
+    assert cfg.data and cfg.output_dir
+    if "distill" in json.loads(recipe.read_text()):
+        distill_cfg = resolve(DistillConfig, parser.parse_args(["distill", "--config", str(recipe), "--model", "m"]),
+                              "distill")
+        assert distill_cfg.output == cfg.data[0]  # train reads what distill wrote
+        if SHARED_TRAIN.is_dir():
+            root = recipe.parents[2]  # recipes name prompt files relative to the repository root
+            assert all((root / parse_prompt_spec(spec)[0]).is_file() for spec in distill_cfg.prompts)
+
+
+def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"train": {"model": "m", "data": ["d.jsonl"], "output_dir": "o", "lr": 0.5,
+                                            "num_heads": 2}}))
+    parser = argparse.ArgumentParser()
+    add_train_commands(parser.add_subparsers(dest="command"))
+    cfg = resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe), "--lr", "0.25", "--no-pack"]), "train")
+    assert (cfg.lr, cfg.num_heads, cfg.pack, cfg.batch_size) == (0.25, 2, False, TrainConfig.batch_size)
+    recipe.write_text(json.dumps({"train": {"learning_rate": 1}}))
+    with pytest.raises(ValueError, match="unknown 'train' settings \\['learning_rate'\\]"):
+        resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe)]), "train")
+    with pytest.raises(ValueError, match="train needs --model, --data, --output-dir"):
+        resolve(TrainConfig, parser.parse_args(["train"]), "train")
+    with pytest.raises(ValueError, match="--cache-hidden needs a frozen base"):
+        TrainConfig(model="m", data=["d"], output_dir="o", mode="medusa2", cache_hidden=True)
