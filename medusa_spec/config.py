@@ -75,14 +75,22 @@ class MedusaConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> "MedusaConfig":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON ({err}); re-save the adapter with save_heads()") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object of MedusaConfig fields")
+        data = read_json_object(path, fix="re-save the adapter with save_heads()")
         missing = [key for key in REQUIRED_KEYS if key not in data]
         if missing:
             raise ValueError(f"{path} is missing required keys {missing}; add them (the base model's config has "
                              f"hidden_size and vocab_size) or re-save the adapter with save_heads()")
         return cls.from_dict(data, source=str(path))
+
+
+def read_json_object(path: Path, fix: str) -> dict:
+    """A JSON object from `path`, or an error naming the file and `fix`."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {fix}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object; {fix}")
+    return data

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import io
 from .base import inspect_base_model
-from .config import CONFIG_NAME, MedusaConfig
+from .config import CONFIG_NAME, MedusaConfig, read_json_object
 
 FORMATS = ("medusa_spec", "medusa", "vllm")
 HF_CONFIG = "config.json"  # the original Medusa and vLLM layouts both keep their config here
@@ -47,7 +47,7 @@ def detect_format(path: str | Path) -> str:
     if any((path / name).exists() for name in MEDUSA_WEIGHTS):
         return "medusa"
     if (path / HF_CONFIG).is_file():
-        config = _read_json(path / HF_CONFIG)
+        config = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
         if config.get("model_type") == "medusa":
             return "vllm"
         if "medusa_num_heads" in config:
@@ -70,7 +70,7 @@ def read_medusa(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]
     `{h}.{L}.weight`, head h's own vocabulary projection. "Version 2" checkpoints have no projections: their
     heads share the base model's LM head."""
     path = Path(path)
-    meta = _read_json(path / HF_CONFIG)
+    meta = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
     weights_file = next((path / name for name in MEDUSA_WEIGHTS if (path / name).is_file()), None)
     if weights_file is None:
         raise FileNotFoundError(f"{path} has a Medusa {HF_CONFIG} but no {' or '.join(MEDUSA_WEIGHTS)}; "
@@ -89,7 +89,7 @@ def read_vllm(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     `blocks.{h}.layers.{l}.weight|bias` and `lm_heads.{h}.weight`, or with original_lm_head a single
     `lm_head.weight`, a copy of the base model's, which medusa_spec takes from the base model instead."""
     path = Path(path)
-    meta = _read_json(path / HF_CONFIG)
+    meta = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has a vLLM Medusa {HF_CONFIG} but no *.safetensors weights; "
@@ -287,18 +287,6 @@ def _convert_command(args: argparse.Namespace) -> int:
     convert(args.src, args.dst, to=args.to, base_model=args.base_model)
     print(f"wrote {args.to} heads to {args.dst}")
     return 0
-
-
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} is missing; put the checkpoint's config file beside its weights")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON ({err}); re-download it") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object")
-    return data
 
 
 def _write_json(file: Path, data: dict) -> None:

@@ -29,13 +29,14 @@ def prefill_and_verify(model, tree, prompts, attention_mask, node_tokens):
     return logits, cache
 
 
-def make_inputs(seed=1):
+def make_inputs(tree, seed):
+    """Two prompts (row 1 left-padded) and random node tokens for `tree`."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, VOCAB, (2, PROMPT), generator=g)
     attention_mask = torch.ones_like(prompts)
     attention_mask[1, :PAD] = 0
     prompts[1, :PAD] = 0
-    return prompts, attention_mask
+    return prompts, attention_mask, torch.randint(3, VOCAB, (2, tree.num_nodes), generator=g)
 
 
 def row_prompt(prompts, attention_mask, b):
@@ -46,8 +47,7 @@ def row_prompt(prompts, attention_mask, b):
 def test_tree_logits_equal_sequential_logits(arch):
     model = tiny_model(arch)
     tree = build_tree(CHOICES)
-    prompts, attention_mask = make_inputs()
-    node_tokens = torch.randint(3, VOCAB, (2, tree.num_nodes), generator=torch.Generator().manual_seed(2))
+    prompts, attention_mask, node_tokens = make_inputs(tree, seed=1)
     with torch.no_grad():
         logits, _ = prefill_and_verify(model, tree, prompts, attention_mask, node_tokens)
         for b in range(2):
@@ -63,8 +63,7 @@ def test_tree_logits_equal_sequential_logits(arch):
 def test_compacted_cache_equals_sequential_cache(arch):
     model = tiny_model(arch)
     tree = build_tree(CHOICES)
-    prompts, attention_mask = make_inputs()
-    node_tokens = torch.randint(3, VOCAB, (2, tree.num_nodes), generator=torch.Generator().manual_seed(3))
+    prompts, attention_mask, node_tokens = make_inputs(tree, seed=2)
     # Row 0 accepts the deepest node (4 candidates), row 1 a depth-2 node on another branch.
     accepted = torch.tensor([tree.num_nodes - 1, 6])
     assert tree.depth[accepted].tolist() == [4, 2]
