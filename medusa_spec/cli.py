@@ -112,6 +112,33 @@ def generate(args) -> int:
     return 0
 
 
+def chat(args) -> int:
+    """Multi-turn chat through the model's chat template; an empty line or end of input quits."""
+    from transformers import TextStreamer
+
+    mm, tokenizer = load(args)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{args.model or default_model.MODEL_NAME} has no chat template; use `medusa-spec generate`")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    while True:
+        try:
+            text = input("> ").strip()
+        except EOFError:
+            break
+        if not text:
+            break
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        out = mm.generate(ids, max_new_tokens=args.max_new_tokens, tree=args.tree, streamer=streamer,
+                          **_sampling_kwargs(args))
+        reply = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        print(f"[{out.stats.tokens_per_second:.1f} tok/s, {out.stats.tokens_per_step:.2f} tokens/step]", file=sys.stderr)
+    return 0
+
+
 def run_bench(args) -> int:
     mm, tokenizer = load(args)
     prompts = bench.read_eval_prompts(args.prompts, args.per_category)
@@ -161,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
     _add_generation_options(p)
     p.set_defaults(func=generate)
+
+    p = commands.add_parser("chat", help="multi-turn chat with Medusa heads (empty line quits)")
+    _add_model_options(p)
+    p.add_argument("--system", default=None, help="system message")
+    _add_generation_options(p)
+    p.set_defaults(func=chat)
 
     p = commands.add_parser("bench", help="compare decoding methods on evaluation prompts")
     _add_model_options(p)

@@ -15,6 +15,7 @@ def model_dir(tmp_path_factory):
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w3", pad_token="w0", bos_token="w1",
                                         eos_token="w2")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(path)
     tiny_model("llama").save_pretrained(path)
     return path
@@ -30,6 +31,26 @@ def test_generate_streams_and_compares(model_dir, capsys):
     captured = capsys.readouterr()
     assert len(captured.out.split()) >= 1  # streamed text
     assert "tokens/step" in captured.err and "identical: True" in captured.err
+
+
+def test_chat_keeps_the_conversation(model_dir, monkeypatch, capsys):
+    from medusa_spec import MedusaModel
+
+    said = iter(["w5 w9 w11", "w7 w8", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(said))
+    calls, generate = [], MedusaModel.generate
+
+    def recording_generate(self, input_ids, **kwargs):
+        out = generate(self, input_ids, **kwargs)
+        calls.append((input_ids[0].tolist(), out.sequences[0].tolist()))
+        return out
+
+    monkeypatch.setattr(MedusaModel, "generate", recording_generate)
+    assert main(["chat", "--model", str(model_dir), "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().err.count("tokens/step") == 2
+    (first_prompt, first_output), (second_prompt, _) = calls
+    # The second turn's prompt holds the first turn and the model's reply to it.
+    assert second_prompt[: len(first_prompt)] == first_prompt and len(second_prompt) > len(first_output)
 
 
 def test_bad_tree_is_a_clean_error(model_dir, capsys):
