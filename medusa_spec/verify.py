@@ -29,19 +29,22 @@ def attention_masks(spec: BaseSpec, kv_valid, kv_pos, q_pos, block_mask, dtype: 
     # a padding slot is never visible to any other query.
     allowed[:, :, past:] |= torch.eye(n, dtype=torch.bool, device=allowed.device)
 
-    def finish(mask):
-        mask = mask[:, None]
-        if spec.bool_mask:
-            return mask
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
     masks = {}
     for layer_type in spec.layer_types:
         mask = allowed
         if layer_type == "sliding_attention":
             mask = allowed & ((q_pos[:, :, None] - kv_pos[:, None, :]) < spec.sliding_window)
-        masks[layer_type] = finish(mask)
+        masks[layer_type] = model_mask(mask, spec.bool_mask, dtype)
     return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def model_mask(allowed: torch.Tensor, bool_mask: bool, dtype: torch.dtype) -> torch.Tensor:
+    """[B, N, L] bool (True = may attend) -> the [B, 1, N, L] mask the attention implementation takes:
+    boolean for sdpa, additive float (0 / most negative) for eager."""
+    allowed = allowed[:, None]
+    if bool_mask:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids, q_pos, block_mask, cache, kv_valid, kv_pos,

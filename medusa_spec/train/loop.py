@@ -25,6 +25,7 @@ from torch import nn
 from ..base import inspect_base_model
 from ..config import MedusaConfig
 from ..model import MedusaModel
+from ..verify import model_mask
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import collate, make_rows, read_conversations, tokenize_conversation
 from .evaluate import evaluate
@@ -103,10 +104,7 @@ def attention_mask(segment_ids: torch.Tensor, bool_mask: bool, dtype: torch.dtyp
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
     allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal & (segment_ids[:, None, :] > 0)
     allowed |= torch.eye(length, dtype=torch.bool, device=segment_ids.device)
-    if bool_mask:
-        return allowed[:, None]
-    return torch.zeros(allowed[:, None].shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed[:, None], torch.finfo(dtype).min)
+    return model_mask(allowed, bool_mask, dtype)
 
 
 class TrainModule(nn.Module):
