@@ -115,7 +115,8 @@ def summarize(records: list[dict]) -> dict:
 def markdown(summary: dict) -> str:
     lines = ["| group | method | tok/s | tokens/step | speed-up | = greedy |", "|---|---|---|---|---|---|"]
     for group in sorted(summary, key=lambda g: (g == "overall", g)):
-        for method, f in summary[group].items():
+        for method in sorted(summary[group], key=METHODS.index):
+            f = summary[group][method]
             cells = [group, method, f"{f['tokens_per_second']:.1f}",
                      "-" if f["tokens_per_step"] is None else f"{f['tokens_per_step']:.2f}",
                      "-" if f["speedup"] is None else f"{f['speedup']:.2f}x",

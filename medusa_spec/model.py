@@ -53,7 +53,9 @@ class MedusaModel(nn.Module):
         config, state_dict = formats.read_heads(path)
         spec = inspect_base_model(base_model)
         _check_sizes(config, spec, source=str(path))
-        if config.base_model_name_or_path and spec.name_or_path and config.base_model_name_or_path != spec.name_or_path:
+        # Compared by last path component: the same model is "org/name" on a hub and ".../name" on disk.
+        if (config.base_model_name_or_path and spec.name_or_path
+                and Path(config.base_model_name_or_path).name.lower() != Path(spec.name_or_path).name.lower()):
             warnings.warn(f"heads in {path} were trained for {config.base_model_name_or_path!r}, "
                           f"not {spec.name_or_path!r}: acceptance may be poor", stacklevel=2)
         model = cls.from_base(io.load_lora(base_model, path), config)
