@@ -89,7 +89,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module, tree: Tree
     sequences[:, :prompt_length] = input_ids
     n_generated = torch.zeros(batch, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    stats = GenerationStats(accepted_at_depth=[0] * tree.max_depth)
+    stats = GenerationStats()
     accepted_at_depth = torch.zeros(tree.max_depth, dtype=torch.long, device=device)
     row_steps = torch.zeros(batch, dtype=torch.long, device=device)
 
