@@ -81,8 +81,6 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module, tree: Tree
     tree = tree.to(device)
     eos = torch.tensor(eos_token_id or [], dtype=torch.long, device=device)
     pad = pad_token_id if pad_token_id is not None else (eos_token_id[0] if eos_token_id else 0)
-    lm_head = base_model.get_output_embeddings()
-    max_step_tokens = tree.max_depth + 1
 
     # Output buffer; one spare column takes the writes of tokens that are not emitted.
     sequences = torch.full((batch, prompt_length + max_new_tokens + 1), pad, dtype=torch.long, device=device)
@@ -132,7 +130,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module, tree: Tree
 
         while not done:
             # 2. Propose: the heads read only the last accepted node's hidden state.
-            node_tokens = propose(root, heads(last_hidden, lm_head), tree) if tree.num_nodes > 1 else root[:, None]
+            node_tokens = propose(heads, base_model, root, last_hidden, tree) if tree.num_nodes > 1 else root[:, None]
             # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
             q_pos = next_pos[:, None] + tree.depth
             past_length = slot_valid.shape[1]

@@ -1,13 +1,23 @@
-"""Medusa heads: residual SiLU blocks on the base model's final hidden state, then a vocabulary projection.
+"""Draft heads on the base model's final hidden state: residual SiLU blocks, then a vocabulary projection.
 
-Weight names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight`, `lm_heads.{h}.weight`)
-so exporting is a rename-free copy.
+Two head types share everything but their input:
+- Medusa heads: head k reads only the hidden state h_t and guesses the token at t + k + 2.
+- Dependent heads (Hydra-style): head k also reads the embeddings of the k + 1 tokens between,
+  [h_t, E(x_t+1), ..., E(x_t+k+1)], through its own input layer, so a far guess knows the nearer ones.
+
+Optionally the heads score a reduced draft vocabulary (`token_map`: the draft index -> token id of
+the most frequent tokens); verification still uses the full vocabulary, so output is unchanged.
+
+Weight names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight`, `lm_heads.{h}.weight`,
+`token_map`) so exporting plain heads is a rename-free copy; dependent heads add `inputs.{h}`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+HEAD_TYPES = ("medusa", "dependent")
 
 
 class ResidualBlock(nn.Module):
@@ -30,34 +40,96 @@ class ResidualBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """`num_heads` heads; head k predicts the token k + 2 positions ahead of its input state."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, share_lm_head: bool):
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, share_lm_head: bool,
+                 head_type: str = "medusa", draft_vocab_size: int | None = None):
         super().__init__()
+        self.dependent = head_type == "dependent"
+        if self.dependent:
+            # Head k: [h, k + 1 path embeddings] -> H. Starts as the identity on h (a plain Medusa head).
+            self.inputs = nn.ModuleList(nn.Linear((k + 2) * hidden_size, hidden_size) for k in range(num_heads))
+            with torch.no_grad():
+                for layer in self.inputs:
+                    layer.weight.zero_()
+                    layer.bias.zero_()
+                    layer.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers) for _ in range(num_heads))
-        # With a shared LM head the heads own no vocab-sized matrix; the base's is passed to forward().
+        out_size = draft_vocab_size or vocab_size
+        # With a shared LM head the heads own no vocabulary matrix; the base's is passed to forward()
+        # (with a token map, only its rows for the draft vocabulary are used).
         self.lm_heads = None if share_lm_head else nn.ModuleList(
-            nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)
-        )
+            nn.Linear(hidden_size, out_size, bias=False) for _ in range(num_heads))
+        if draft_vocab_size is not None:
+            self.register_buffer("token_map", torch.arange(draft_vocab_size))
+        else:
+            self.token_map = None
+        # The base LM head's rows for the token map, taken once (bind_lm_head) instead of per call.
+        self.register_buffer("draft_lm_weight", None, persistent=False)
 
     @property
     def num_heads(self) -> int:
         return len(self.blocks)
 
+    def set_token_map(self, token_map: torch.Tensor, base_lm_head: nn.Module) -> None:
+        """Use the draft vocabulary `token_map` [V'] (token ids, distinct)."""
+        if self.token_map is None or token_map.shape != self.token_map.shape:
+            raise ValueError(f"token_map must hold {None if self.token_map is None else self.token_map.numel()} token ids "
+                             f"(the heads' draft_vocab_size), got shape {tuple(token_map.shape)}")
+        self.token_map.copy_(token_map)
+        self.bind_lm_head(base_lm_head)
+
+    def bind_lm_head(self, base_lm_head: nn.Module) -> None:
+        """Cache the base LM head's rows for the token map (call after loading a token map)."""
+        if self.token_map is not None and self.lm_heads is None:
+            self.draft_lm_weight = base_lm_head.weight.detach()[self.token_map.to(base_lm_head.weight.device)].clone()
+
     def init_projections_from(self, output_embeddings: nn.Module) -> None:
-        """Original Medusa: every head's own projection starts as a copy of the base LM head."""
+        """Original Medusa: every head's own projection starts as a copy of the base LM head
+        (its rows for the draft vocabulary, with a token map)."""
         if self.lm_heads is None:
             return
+        weight = output_embeddings.weight
+        if self.token_map is not None:
+            weight = weight[self.token_map.to(weight.device)]
         with torch.no_grad():
             for lm_head in self.lm_heads:
-                lm_head.weight.copy_(output_embeddings.weight)
+                lm_head.weight.copy_(weight)
 
-    def hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., num_heads, H]: each head's state before its vocabulary projection."""
-        return torch.stack([block(hidden_states) for block in self.blocks], dim=-2)
+    def token_ids(self, draft_indices: torch.Tensor) -> torch.Tensor:
+        """Indices into the heads' logits -> token ids of the base vocabulary."""
+        return draft_indices if self.token_map is None else self.token_map[draft_indices]
 
-    def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
-        """[..., H] -> logits [..., num_heads, V]."""
-        states = self.hidden(hidden_states)
-        if self.lm_heads is None:
-            # One matmul through the shared LM head for all heads: the big matrix is read once.
-            return base_lm_head(states)
-        return torch.stack([lm_head(states[..., k, :]) for k, lm_head in enumerate(self.lm_heads)], dim=-2)
+    def project(self, states: torch.Tensor, base_lm_head: nn.Module, head: int | None = None) -> torch.Tensor:
+        """Head states [..., K, H] (or [..., H] of head `head`) -> logits over the draft vocabulary."""
+        if self.lm_heads is not None:
+            if head is not None:
+                return self.lm_heads[head](states)
+            return torch.stack([lm_head(states[..., k, :]) for k, lm_head in enumerate(self.lm_heads)], dim=-2)
+        if self.token_map is None:
+            return base_lm_head(states)  # one matmul for all heads: the big matrix is read once
+        if self.draft_lm_weight is None:
+            raise RuntimeError("heads with a token map and a shared LM head need bind_lm_head(base_lm_head) first")
+        return nn.functional.linear(states, self.draft_lm_weight)
+
+    def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """Dependent head k: hidden_states [..., H], path_embeds [..., k + 1, H] -> logits [..., V']."""
+        x = torch.cat([hidden_states, path_embeds.flatten(-2)], dim=-1)
+        return self.project(self.blocks[k](self.inputs[k](x)), base_lm_head, head=k)
+
+    def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., T, H] -> logits [..., T, K, V'].
+
+        Dependent heads need `next_embeds` [..., T, H]: the embedding of the token after each
+        position (teacher forcing), so head k at t reads E(x_t+1) .. E(x_t+k+1); positions whose
+        path runs past the end see zeros there (their targets are past the end too).
+        """
+        if not self.dependent:
+            return self.project(torch.stack([block(hidden_states) for block in self.blocks], dim=-2), base_lm_head)
+        if next_embeds is None:
+            raise ValueError("dependent heads need next_embeds, the embeddings of the tokens that follow each position")
+        shifted = [next_embeds]
+        for _ in range(self.num_heads - 1):
+            previous = shifted[-1]
+            shifted.append(torch.cat([previous[..., 1:, :], torch.zeros_like(previous[..., :1, :])], dim=-2))
+        states = [self.blocks[k](self.inputs[k](torch.cat([hidden_states, *shifted[: k + 1]], dim=-1)))
+                  for k in range(self.num_heads)]
+        return self.project(torch.stack(states, dim=-2), base_lm_head)

@@ -46,6 +46,15 @@ class Tree:
         """How many candidates per head the tree reads (0 for a root-only tree)."""
         return max((path[-1] for path in self.choices), default=-1) + 1
 
+    @property
+    def level_bounds(self) -> list[tuple[int, int]]:
+        """[(start, end)] node index range of each depth 0..D (nodes are ordered by depth)."""
+        counts = [1] + [0] * self.max_depth
+        for path in self.choices:
+            counts[len(path)] += 1
+        ends = [sum(counts[: d + 1]) for d in range(len(counts))]
+        return [(end - count, end) for count, end in zip(counts, ends)]
+
     def to(self, device: torch.device | str) -> "Tree":
         return Tree(**{f.name: getattr(self, f.name).to(device) if f.name != "choices" else self.choices for f in fields(self)})
 

@@ -22,6 +22,11 @@ class OracleHeads(nn.Module):
             self.hidden = [model(s[None], output_hidden_states=True).hidden_states[-1][0] for s in sequences]
         self.sequences, self.num_heads, self.sabotage = sequences, num_heads, sabotage
 
+    dependent = False
+
+    def token_ids(self, draft_indices):
+        return draft_indices
+
     def forward(self, hidden, lm_head):
         logits = torch.zeros(hidden.shape[0], self.num_heads, VOCAB)
         for b, state in enumerate(hidden):
