@@ -9,6 +9,7 @@ import time
 import torch
 
 from .kv_cache import keep_accepted, new_cache
+from .propose import propose
 from .tree import build_tree, grow_tree
 from .verify import forward_block
 
@@ -30,9 +31,10 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5) -> tuple[dict[int, float], float]:
-    """Seconds of one verify pass of n nodes after `context` cached tokens, for each n in sizes, and
-    of one call of the heads. The verified slots are dropped again after each pass."""
+def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds of one verify pass of n nodes after `context` cached tokens, and of drafting n nodes with
+    the heads (one call for Medusa heads, one per level for dependent heads), for each n in sizes.
+    The verified slots are dropped again after each pass."""
     base, spec = mm.base_model, mm.spec
     device = base.get_output_embeddings().weight.device
     ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
@@ -41,7 +43,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     cache = new_cache()
     _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
                               cache, valid, pos, last_only=True)
-    latency = {}
+    latency, head_seconds = {}, {}
+    root = ids[:, -1]
     for n in sizes:
         tree = build_tree(grow_tree([[0.5] * n] * mm.config.num_heads, n)).to(device)
         tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
@@ -55,21 +58,23 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
 
         verify()  # warm-up
         latency[tree.num_nodes] = _median_seconds(verify, repeats)
-    lm_head = base.get_output_embeddings()
-    head_seconds = _median_seconds(lambda: mm.heads(hidden[:, -1], lm_head), repeats)
+        head_seconds[tree.num_nodes] = 0.0 if n == 1 else _median_seconds(
+            lambda: propose(mm.heads, base, root, hidden[:, -1], tree), repeats)
     return latency, head_seconds
 
 
-def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float) -> tuple[list[list[int]], list[dict]]:
+def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float | dict[int, float]) -> tuple[list[list[int]], list[dict]]:
     """The tree (rank paths) maximising expected tokens / (verify + heads seconds), and the table behind it.
-    A root-only tree (no speculation) needs no heads and is always a candidate."""
+    head_seconds: drafting cost, one figure or one per tree size. A root-only tree (no speculation)
+    needs no heads and is always a candidate."""
     table = []
     for n, seconds in sorted(latency.items()):
         choices = grow_tree(rank_accuracy, n)
         if len(choices) + 1 != n:
             continue  # the accuracies allow no tree this large
         expected = expected_tokens_per_step(choices, rank_accuracy)
-        step = seconds + (head_seconds if n > 1 else 0.0)
+        draft = head_seconds.get(n, 0.0) if isinstance(head_seconds, dict) else head_seconds
+        step = seconds + (draft if n > 1 else 0.0)
         table.append({"nodes": n, "expected_tokens_per_step": round(expected, 3), "step_ms": round(1000 * step, 2),
                       "expected_tokens_per_second": round(expected / step, 2), "tree": choices})
     best = max(table, key=lambda row: row["expected_tokens_per_second"])

@@ -14,6 +14,9 @@ CONFIG_NAME = "medusa_config.json"
 # A saved config must state these: without them the weights' shapes and the base-model checks are guesses.
 # (Others fall back to their defaults, as peft does.)
 REQUIRED_KEYS = ("num_heads", "num_layers", "share_lm_head", "hidden_size", "vocab_size")
+# "medusa": head k reads the hidden state only. "dependent" (Hydra-style): it also reads the
+# embeddings of the tokens on the path to its parent.
+HEAD_TYPES = ("medusa", "dependent")
 
 
 @dataclass
@@ -31,6 +34,9 @@ class MedusaConfig:
     share_lm_head: bool = True
     hidden_size: int | None = None
     vocab_size: int | None = None
+    head_type: str = "medusa"
+    # Heads score only this many tokens (the token map saved with the weights); None = the full vocabulary.
+    draft_vocab_size: int | None = None
     base_model_name_or_path: str | None = None
     # Default tree for generate(), as Medusa "choices" (rank paths); None = a built-in default.
     tree: list[list[int]] | None = None
@@ -45,10 +51,15 @@ class MedusaConfig:
                 raise ValueError(f"MedusaConfig.{name} must be an integer >= {1 if name == 'num_heads' else 0}, got {value!r}")
         if not isinstance(self.share_lm_head, bool):
             raise ValueError(f"MedusaConfig.share_lm_head must be true or false, got {self.share_lm_head!r}")
-        for name in ("hidden_size", "vocab_size"):
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"MedusaConfig.head_type must be one of {', '.join(HEAD_TYPES)}, got {self.head_type!r}")
+        for name in ("hidden_size", "vocab_size", "draft_vocab_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer or null, got {value!r}")
+        if self.draft_vocab_size is not None and self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"MedusaConfig.draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size}); "
+                             f"use at most the full vocabulary, or null for all of it")
         if self.tree is not None:
             self.tree = [list(map(int, path)) for path in self.tree]
 

@@ -98,30 +98,33 @@ def read_vllm(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     for file in files:
         # vLLM strips this prefix when loading, so checkpoints carry it.
         tensors.update({key.removeprefix("medusa_heads."): value for key, value in io.read_safetensors(file).items()})
-    if "token_map" in tensors:
-        raise ValueError(f"{path}: a truncated draft vocabulary (token_map) is not supported; "
-                         f"export the heads with the full vocabulary")
+    if "token_map" in tensors and meta.get("vocab_size") is None:
+        raise ValueError(f"{path}: heads with a token_map need the full vocab_size in {HF_CONFIG}; add the base "
+                         f"model's vocab_size there")
     if meta.get("original_lm_head"):
         # vLLM also accepts the shared LM head under lm_heads.0.weight.
         tensors.pop("lm_head.weight", None)
         tensors.pop("lm_heads.0.weight", None)
     return _heads_from_weights(tensors, files[0] if len(files) == 1 else path,
                                stated={"heads": meta.get("num_heads"), "layers": meta.get("num_hidden_layers")},
-                               base_model_name_or_path=meta.get("base_model_name_or_path"))
+                               base_model_name_or_path=meta.get("base_model_name_or_path"),
+                               full_vocab_size=meta.get("vocab_size"))
 
 
 def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, base_model_name_or_path,
-                        name=lambda key: key) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+                        name=lambda key: key, full_vocab_size: int | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Config and checked state dict of heads whose tensors, renamed to medusa_spec's layout, are `tensors`.
     Counts are read off the names; `stated` holds the counts the format's config claims, to warn about;
-    `name` maps a key back to the file's own naming, for messages."""
-    counts = {"heads": 0, "layers": 0}
+    `name` maps a key back to the file's own naming, for messages. With a `token_map` (vLLM's truncated
+    draft vocabulary) the projections have its size and `full_vocab_size` is the base's."""
+    counts = {"heads": 0, "layers": 0, "projections": 0}
     hidden_size = vocab_size = dtype = None
     for key, tensor in tensors.items():
         if m := _BLOCK_KEY.fullmatch(key):
             counts["heads"], counts["layers"] = max(counts["heads"], int(m[1]) + 1), max(counts["layers"], int(m[2]) + 1)
         elif m := _PROJECTION_KEY.fullmatch(key):
             counts["heads"] = max(counts["heads"], int(m[1]) + 1)
+            counts["projections"] += 1
             vocab_size = tensor.shape[0]
         else:
             continue
@@ -130,11 +133,15 @@ def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, 
         raise ValueError(f"{source} holds no Medusa head weights (its keys start {sorted(map(name, tensors))[:4]}); "
                          f"point at the folder of a Medusa head checkpoint")
     for what, found in counts.items():
-        if stated[what] is not None and stated[what] != found:
+        if stated.get(what) is not None and stated[what] is not None and stated[what] != found:
             warnings.warn(f"{source}: its {HF_CONFIG} says {stated[what]} {what} but the weights hold {found}; "
                           f"using {found}", stacklevel=2)
-    config = MedusaConfig(num_heads=counts["heads"], num_layers=counts["layers"], share_lm_head=vocab_size is None,
-                          hidden_size=hidden_size, vocab_size=vocab_size,
+    draft_vocab_size = None
+    if "token_map" in tensors:
+        draft_vocab_size, vocab_size = tensors["token_map"].numel(), full_vocab_size
+        tensors = {**tensors, "token_map": tensors["token_map"].long()}
+    config = MedusaConfig(num_heads=counts["heads"], num_layers=counts["layers"], share_lm_head=counts["projections"] == 0,
+                          hidden_size=hidden_size, vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
                           base_model_name_or_path=base_model_name_or_path)
     expected = io.expected_shapes(config, source)
     if not any(key.endswith(".bias") for key in tensors):
@@ -190,6 +197,7 @@ def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, t
     layers into one module ([ResBlock] * L), so only TensorRT-LLM and TGI, which read each layer, run them as is.
     """
     # No "architectures" key: TGI takes a speculator config that has one for another kind of speculator.
+    _refuse_unsupported(config, path, "the original Medusa format", token_map_ok=False)
     meta = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
             "base_model_name_or_path": config.base_model_name_or_path}
     tensors = {_to_medusa_key(key, config.num_layers): value.detach().contiguous().cpu()
@@ -209,6 +217,7 @@ def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, tor
     one `lm_head` for all heads and loads it from this checkpoint, so shared-LM-head heads need `base_lm_head`
     [V, H], the base model's LM head weight, copied in.
     """
+    _refuse_unsupported(config, path, "vLLM's Medusa format", token_map_ok=True)
     tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
     if config.share_lm_head:
         if base_lm_head is None:
@@ -217,16 +226,30 @@ def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, tor
         if config.hidden_size is not None and base_lm_head.shape[1] != config.hidden_size:
             raise ValueError(f"{path}: the base LM head has hidden size {base_lm_head.shape[1]} but the heads have "
                              f"{config.hidden_size}; pass the base model the heads were trained for")
-        tensors["lm_head.weight"] = base_lm_head.detach().contiguous().cpu()
-    vocab_size = tensors["lm_head.weight" if config.share_lm_head else "lm_heads.0.weight"].shape[0]
+        # With a token map vLLM's LM head holds only the draft vocabulary's rows.
+        rows = base_lm_head if "token_map" not in tensors else base_lm_head[tensors["token_map"].to(base_lm_head.device)]
+        tensors["lm_head.weight"] = rows.detach().contiguous().cpu()
+    projection_rows = tensors["lm_head.weight" if config.share_lm_head else "lm_heads.0.weight"].shape[0]
+    vocab_size = config.vocab_size or (base_lm_head.shape[0] if base_lm_head is not None else projection_rows)
     meta = {"model_type": "medusa", "architectures": ["MedusaModel"],
             "hidden_size": config.hidden_size, "vocab_size": vocab_size,
             "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
             "medusa_fc_bias": any(key.endswith(".bias") for key in tensors),
             "original_lm_head": config.share_lm_head}
+    if "token_map" in tensors:
+        meta["truncated_vocab_size"] = projection_rows
     with io.staged_save(path, (VLLM_WEIGHTS, HF_CONFIG)) as staged:
         save_file(tensors, str(staged / VLLM_WEIGHTS), metadata={"format": "pt"})
         _write_json(staged / HF_CONFIG, meta)
+
+
+def _refuse_unsupported(config: MedusaConfig, path, format_name: str, token_map_ok: bool) -> None:
+    if config.head_type != "medusa":
+        raise ValueError(f"{path}: {format_name} holds plain Medusa heads only, not {config.head_type} heads; keep "
+                         f"them in medusa_spec's format (--to medusa_spec)")
+    if config.draft_vocab_size is not None and not token_map_ok:
+        raise ValueError(f"{path}: {format_name} has no reduced draft vocabulary (token_map); export with --to vllm, "
+                         f"which has one, or train heads with the full vocabulary")
 
 
 def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",

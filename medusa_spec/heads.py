@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-HEAD_TYPES = ("medusa", "dependent")
+from .config import HEAD_TYPES
 
 
 class ResidualBlock(nn.Module):
@@ -43,6 +43,8 @@ class MedusaHeads(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, share_lm_head: bool,
                  head_type: str = "medusa", draft_vocab_size: int | None = None):
         super().__init__()
+        if head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {', '.join(HEAD_TYPES)}, got {head_type!r}")
         self.dependent = head_type == "dependent"
         if self.dependent:
             # Head k: [h, k + 1 path embeddings] -> H. Starts as the identity on h (a plain Medusa head).
@@ -80,7 +82,9 @@ class MedusaHeads(nn.Module):
     def bind_lm_head(self, base_lm_head: nn.Module) -> None:
         """Cache the base LM head's rows for the token map (call after loading a token map)."""
         if self.token_map is not None and self.lm_heads is None:
-            self.draft_lm_weight = base_lm_head.weight.detach()[self.token_map.to(base_lm_head.weight.device)].clone()
+            weight = base_lm_head.weight.detach()
+            dtype = next(self.parameters(), weight).dtype  # the heads' compute dtype (fp32 in training)
+            self.draft_lm_weight = weight[self.token_map.to(weight.device)].to(dtype)
 
     def init_projections_from(self, output_embeddings: nn.Module) -> None:
         """Original Medusa: every head's own projection starts as a copy of the base LM head

@@ -30,9 +30,13 @@ def check_cache(cache: DynamicCache, expected_length: int) -> None:
 def keep_accepted(cache: DynamicCache, past_length: int, keep: torch.Tensor) -> None:
     """Keep the first `past_length` slots, then for each row the tree slots `keep` [B, m]
     (node indices into the block appended after `past_length`), gathered contiguously."""
+    kept = past_length + keep.shape[1]
     index = (past_length + keep)[:, None, :, None]  # [B, 1, m, 1], broadcast over heads and head_dim
     for layer in cache.layers:
         for name in ("keys", "values"):
             states = getattr(layer, name)  # [B, kv_heads, S + N, head_dim]
             gathered = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
-            setattr(layer, name, torch.cat([states[:, :, :past_length], gathered], dim=2))
+            # Written over the block's first slots in place and narrowed to a view: the past is not copied
+            # (the cache's next update concatenates into a new tensor anyway).
+            states[:, :, past_length:kept] = gathered
+            setattr(layer, name, states[:, :, :kept])

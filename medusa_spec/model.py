@@ -38,10 +38,13 @@ class MedusaModel(nn.Module):
                                      base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path)
         if config.tree is not None:
             build_tree(config.tree, config.num_heads)  # validate now, not at the first generate()
-        heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers, config.share_lm_head)
+        heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers, config.share_lm_head,
+                            config.head_type, config.draft_vocab_size)
         heads.init_projections_from(base_model.get_output_embeddings())
         device, dtype = model_device_dtype(base_model)
-        return cls(base_model, config, heads.to(device=device, dtype=dtype))
+        heads = heads.to(device=device, dtype=dtype)
+        heads.bind_lm_head(base_model.get_output_embeddings())
+        return cls(base_model, config, heads)
 
     @classmethod
     def from_pretrained(cls, base_model: nn.Module, path: str | Path) -> "MedusaModel":
@@ -59,7 +62,10 @@ class MedusaModel(nn.Module):
             warnings.warn(f"heads in {path} were trained for {config.base_model_name_or_path!r}, "
                           f"not {spec.name_or_path!r}: acceptance may be poor", stacklevel=2)
         model = cls.from_base(io.load_lora(base_model, path), config)
+        if "token_map" in state_dict:
+            _check_token_map(state_dict["token_map"], spec.vocab_size, source=str(path))
         model.heads.load_state_dict(state_dict)  # names and shapes were checked against the config when read
+        model.heads.bind_lm_head(model.base_model.get_output_embeddings())
         return model
 
     def save_heads(self, path: str | Path, lora: nn.Module | None = None) -> None:
@@ -109,6 +115,17 @@ class MedusaModel(nn.Module):
         self.heads.eval()
         return generate(self.base_model, self.spec, self.heads, self.tree(tree), input_ids, attention_mask,
                         max_new_tokens, sampling, eos, pad_token_id, streamer)
+
+
+def _check_token_map(token_map: torch.Tensor, vocab_size: int, source: str) -> None:
+    if token_map.dtype not in (torch.int32, torch.int64) or token_map.dim() != 1:
+        raise ValueError(f"{source}: token_map must be a 1-D integer tensor of token ids, got {token_map.dtype} "
+                         f"{tuple(token_map.shape)}; re-save the heads")
+    if token_map.numel() and (int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size):
+        raise ValueError(f"{source}: token_map holds ids outside the base vocabulary [0, {vocab_size}); these heads "
+                         f"belong to another model")
+    if token_map.unique().numel() != token_map.numel():
+        raise ValueError(f"{source}: token_map repeats token ids; each draft index must map to a distinct token")
 
 
 def _check_sizes(config: MedusaConfig, spec, source: str) -> None:

@@ -21,9 +21,10 @@ from .loss import target_mask
 
 
 def count_rank_hits(head_logits: torch.Tensor, base_logits: torch.Tensor, loss_mask: torch.Tensor,
-                    segment_ids: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """head_logits [B, T, K, V], base_logits [B, T, V] -> (hits [K, top_k], positions [K]):
-    hits[k, r] counts positions where head k's rank-r candidate is the base's greedy token."""
+                    segment_ids: torch.Tensor, top_k: int, token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """head_logits [B, T, K, V'], base_logits [B, T, V] -> (hits [K, top_k], positions [K]):
+    hits[k, r] counts positions where head k's rank-r candidate is the base's greedy token.
+    `token_map` [V']: the heads' draft vocabulary (index -> token id), if reduced."""
     num_heads, length = head_logits.shape[2], head_logits.shape[1]
     greedy = base_logits.argmax(dim=-1)  # greedy[:, t] is the base's token for position t + 1
     hits = torch.zeros(num_heads, top_k, dtype=torch.long, device=head_logits.device)
@@ -33,6 +34,8 @@ def count_rank_hits(head_logits: torch.Tensor, base_logits: torch.Tensor, loss_m
         if length <= shift:
             continue
         candidates = head_logits[:, :-shift, k].topk(top_k, dim=-1).indices  # [B, T - shift, top_k]
+        if token_map is not None:
+            candidates = token_map[candidates]
         target = greedy[:, shift - 1: -1]                                       # token at t + shift
         valid = target_mask(loss_mask, segment_ids, shift)
         hits[k] = ((candidates == target[..., None]) & valid[..., None]).sum(dim=(0, 1))
@@ -53,9 +56,11 @@ def evaluate(module, rows, batch_size: int, pad_token_id: int, top_k: int, accel
     with torch.no_grad():
         for start in range(accelerator.process_index * batch_size, len(rows), batch_size * accelerator.num_processes):
             batch = {k: v.to(accelerator.device) for k, v in collate(rows[start: start + batch_size], pad_token_id).items()}
-            out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True)
+            # Dependent heads read the base's own greedy tokens as their path: accuracy given a right parent.
+            out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True,
+                         greedy_paths=True)
             batch_hits, batch_positions = count_rank_hits(out.head_logits, out.base_logits, batch["loss_mask"],
-                                                          batch["segment_ids"], top_k)
+                                                          batch["segment_ids"], top_k, module.heads.token_map)
             hits += batch_hits
             positions += batch_positions
     module.train(was_training)

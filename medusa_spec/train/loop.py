@@ -23,11 +23,12 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from ..base import inspect_base_model
-from ..config import MedusaConfig
+from ..config import HEAD_TYPES, MedusaConfig
 from ..model import MedusaModel
 from ..verify import model_mask
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import collate, make_rows, read_conversations, tokenize_conversation
+from .draft_vocab import answer_token_counts, coverage, draft_index, frequent_tokens
 from .evaluate import evaluate
 from .hidden_cache import fingerprint, open_hidden_cache, reset_if_stale
 from .load import load_model_and_tokenizer
@@ -47,6 +48,10 @@ class TrainConfig:
     num_heads: int = option(4, "number of heads (head k predicts the token k + 2 ahead)")
     num_layers: int = option(1, "residual blocks per head")
     share_lm_head: bool = option(True, "project through the base LM head (no per-head vocabulary matrix)")
+    head_type: str = option("medusa", "medusa: heads read the hidden state; dependent (Hydra-style): also the "
+                            "embeddings of the tokens on the path before their guess", choices=HEAD_TYPES)
+    draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
+                                     "(a token map saved with them); default: the full vocabulary")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")
     max_length: int = option(1024, "tokens per row; longer conversations are truncated")
     pack: bool = option(True, "pack several conversations per row (else one per row, padded)")
@@ -119,9 +124,11 @@ class TrainModule(nn.Module):
         self.takes_logits_to_keep = takes_logits_to_keep
 
     def forward(self, input_ids, position_ids, segment_ids, hidden=None, base_logits=False, teacher_logits=False,
-                train_base=False) -> Outputs:
+                train_base=False, greedy_paths=False) -> Outputs:
         """hidden: cached final hidden states (then the base does not run; base_logits must be False).
-        train_base: let gradients reach the base (the LoRA weights); else the heads read a detached state."""
+        train_base: let gradients reach the base (the LoRA weights); else the heads read a detached state.
+        Dependent heads read the data's next tokens as their path (teacher forcing), or with
+        greedy_paths (needs base_logits) the base model's own greedy tokens, as at decoding time."""
         lm_head = self.base_model.get_output_embeddings()
         mask = attention_mask(segment_ids, self.bool_mask, lm_head.weight.dtype)
         inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids, "use_cache": False}
@@ -135,7 +142,12 @@ class TrainModule(nn.Module):
         if teacher_logits:
             with torch.no_grad(), self.base_model.disable_adapter():
                 teacher = self.base_model(**inputs).logits
-        head_logits = self.heads(hidden if train_base else hidden.detach(), lm_head)
+        next_embeds = None
+        if self.heads.dependent:
+            # next_ids[:, t] is the token after position t: the first token of head paths read at t.
+            next_ids = logits.argmax(-1) if greedy_paths else torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+            next_embeds = self.base_model.get_input_embeddings()(next_ids).detach().to(hidden.dtype)
+        head_logits = self.heads(hidden if train_base else hidden.detach(), lm_head, next_embeds)
         return Outputs(head_logits, hidden, logits, teacher)
 
 
@@ -202,8 +214,18 @@ def train(cfg: TrainConfig) -> dict:
 
     # 2. Heads (+ LoRA), optimizer with one learning rate per group, schedule.
     medusa = MedusaModel.from_base(base_model, MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                                            share_lm_head=cfg.share_lm_head))
+                                                            share_lm_head=cfg.share_lm_head, head_type=cfg.head_type,
+                                                            draft_vocab_size=cfg.draft_vocab))
     heads = medusa.heads.float()
+    draft_targets, vocab_summary = None, {}
+    if cfg.draft_vocab is not None:
+        counts = answer_token_counts(train_rows, spec.vocab_size)
+        token_map = frequent_tokens(counts, cfg.draft_vocab)
+        heads.set_token_map(token_map, base_model.get_output_embeddings())
+        heads.init_projections_from(base_model.get_output_embeddings())  # own projections: the map's rows
+        draft_targets = draft_index(token_map, spec.vocab_size).to(accelerator.device)
+        sizes = sorted({cfg.draft_vocab, *(s for s in (1024, 2048, 4096, 8192, 16384) if s < spec.vocab_size)})
+        vocab_summary = {"draft_vocab": {"size": cfg.draft_vocab, "coverage": coverage(counts, sizes)}}
     base_model.requires_grad_(False)
     groups = [{"params": list(heads.parameters()), "lr": cfg.lr}]
     schedules = [lambda s: cosine_with_warmup(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)]
@@ -268,7 +290,7 @@ def train(cfg: TrainConfig) -> dict:
                              train_base=not heads_only)
                 if cache is not None and hidden is None:
                     cache.put(rows, out.hidden)
-                loss, head_ce = combined_loss(out, batch, cfg, heads_only)
+                loss, head_ce = combined_loss(out, batch, cfg, heads_only, draft_targets)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(module.parameters(), cfg.max_grad_norm)
@@ -298,7 +320,7 @@ def train(cfg: TrainConfig) -> dict:
     metrics = run_eval()
     log({"step": max_steps, "eval": metrics})
     summary = {"mode": cfg.mode, "start_step": start_step, "steps": max_steps, "train_rows": len(train_rows),
-               "eval_rows": len(eval_rows), "final_loss": last_loss}
+               "eval_rows": len(eval_rows), "final_loss": last_loss, **vocab_summary}
     if accelerator.is_main_process:
         medusa.config = dataclasses.replace(medusa.config, metrics={"eval": metrics, "train": summary})
         medusa.save_heads(output_dir, lora=base_model if medusa2 else None)  # Medusa-2: the peft model -> lora/
@@ -307,11 +329,14 @@ def train(cfg: TrainConfig) -> dict:
     return {**summary, "eval": metrics}
 
 
-def combined_loss(out: Outputs, batch: dict, cfg: TrainConfig, heads_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def combined_loss(out: Outputs, batch: dict, cfg: TrainConfig, heads_only: bool,
+                  draft_targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Medusa-1 (and the heads-only warm-up): the heads' loss. Medusa-2: base loss + lambda * heads' loss.
+    draft_targets [V]: token id -> index in the heads' reduced vocabulary (-1: none), if reduced.
     Returns (loss, per-head CE [K] for logging)."""
     ids, mask, segments = batch["input_ids"], batch["loss_mask"], batch["segment_ids"]
-    loss, head_ce = heads_loss(out.head_logits, ids, mask, segments, cfg.head_decay)
+    targets = None if draft_targets is None else draft_targets[ids]
+    loss, head_ce = heads_loss(out.head_logits, ids, mask, segments, cfg.head_decay, targets)
     if heads_only:
         return loss, head_ce
     if cfg.base_loss == "kl":

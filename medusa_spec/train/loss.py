@@ -23,19 +23,22 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                          segment_ids: torch.Tensor, shift: int) -> torch.Tensor:
-    """Mean CE of logits at t against token t + shift, over the valid targets."""
+                          segment_ids: torch.Tensor, shift: int, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean CE of logits at t against token t + shift, over the valid targets. `targets` [B, T]: the
+    tokens as indices into the logits (a reduced draft vocabulary), -1 where the vocabulary lacks them."""
     if input_ids.shape[1] <= shift:
         return logits.sum() * 0.0
-    ce = F.cross_entropy(logits[:, :-shift].flatten(0, 1).float(), input_ids[:, shift:].flatten(), reduction="none")
-    return _masked_mean(ce.view(input_ids.shape[0], -1), target_mask(loss_mask, segment_ids, shift))
+    targets = input_ids if targets is None else targets
+    mask = target_mask(loss_mask, segment_ids, shift) & (targets[:, shift:] >= 0)
+    ce = F.cross_entropy(logits[:, :-shift].flatten(0, 1).float(), targets[:, shift:].clamp(min=0).flatten(), reduction="none")
+    return _masked_mean(ce.view(input_ids.shape[0], -1), mask)
 
 
 def heads_loss(head_logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, segment_ids: torch.Tensor,
-               decay: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum_k decay^k * CE_k, where head k (0-based) at position t predicts token t + k + 2.
-    Returns (loss, per-head CE [K], detached, for logging)."""
-    per_head = [shifted_cross_entropy(head_logits[:, :, k], input_ids, loss_mask, segment_ids, shift=k + 2)
+               decay: float, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_k decay^k * CE_k, where head k (0-based) at position t predicts token t + k + 2; `targets`
+    as in shifted_cross_entropy. Returns (loss, per-head CE [K], detached, for logging)."""
+    per_head = [shifted_cross_entropy(head_logits[:, :, k], input_ids, loss_mask, segment_ids, shift=k + 2, targets=targets)
                 for k in range(head_logits.shape[2])]
     loss = sum(decay ** k * ce for k, ce in enumerate(per_head))
     return loss, torch.stack(per_head).detach()
