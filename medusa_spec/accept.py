@@ -61,8 +61,9 @@ def draw_targets(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, sampling: Sampling):
     """Walk the tree along the base model's own tokens.
 
-    node_tokens [B, N]: candidates (node 0 = root, already emitted); logits [B, N, V]: the base
-    model's logits after each node. Returns (last_node [B], accept_length [B], bonus [B]): the
+    node_tokens [B, N]: candidates (node 0 = root, already emitted; a negative id, which no draw
+    equals, keeps a node and its subtree out of reach); logits [B, N, V]: the base model's logits
+    after each node. Returns (last_node [B], accept_length [B], bonus [B]): the
     deepest node reached, how many candidates were accepted (its depth; bonus not counted), and
     the base model's token after it.
     """
@@ -74,3 +75,32 @@ def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, sampling
     # Siblings hold distinct tokens, so reached nodes form one chain; take its deepest.
     accept_length, last_node = (reached * (tree.depth + 1)).max(dim=-1)
     return last_node, accept_length - 1, targets.gather(1, last_node[:, None])[:, 0]
+
+
+def accept_draft(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, sampling: Sampling):
+    """The classic draft-model rule on a chain (THEORY.md, "The classic protocol"); names match the paper.
+
+    draft_tokens [B, K], drawn from the draft model's processed distribution q = draft_probs [B, K, V]
+    (None when greedy: the drafts are the draft model's argmax); logits [B, K+1, V]: the base model's
+    logits after the root and after each draft token. Token i is kept with probability min(1, p_i/q_i);
+    the first rejected one is replaced by a draw from norm(max(0, p_i - q_i)); when all K are kept the
+    bonus is a draw from p_K. Greedy: keep while the draft equals the base model's argmax.
+    Returns (accept_length [B], bonus [B]): draft tokens kept (bonus not counted) and the token after them.
+    """
+    if not sampling.do_sample:
+        targets = logits.argmax(dim=-1)  # [B, K+1]
+        accept_length = (draft_tokens == targets[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
+        return accept_length, targets.gather(1, accept_length[:, None])[:, 0]
+    p = processed_probs(logits, sampling)  # [B, K+1, V]
+    p_draft = p[:, :-1].gather(2, draft_tokens[..., None])[..., 0]          # p_i(x_i)
+    q_draft = draft_probs.gather(2, draft_tokens[..., None])[..., 0]         # q_i(x_i) > 0: x_i was drawn from q_i
+    kept = torch.rand_like(p_draft) * q_draft < p_draft                      # u < p/q, without dividing
+    accept_length = kept.long().cumprod(dim=-1).sum(dim=-1)
+    # q after the last draft is 0, so the same residual formula gives p_K when every draft was kept.
+    q = torch.cat([draft_probs.float(), torch.zeros_like(draft_probs[:, :1], dtype=torch.float)], dim=1)
+    at = accept_length[:, None, None].expand(-1, 1, p.shape[-1])
+    p_at = p.gather(1, at)[:, 0]
+    residual = (p_at - q.gather(1, at)[:, 0]).clamp(min=0)
+    # A rejection means p < q at the draft, so p > q elsewhere; only float rounding can leave no mass.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+    return accept_length, torch.multinomial(residual, 1)[:, 0]

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from .accept import Sampling, accept, draw_targets
-from .base import BaseSpec, model_device_dtype
+from .base import BaseSpec, inspect_base_model, model_device_dtype
 from .kv_cache import check_cache, keep_accepted, new_cache
+from .lookup import PromptLookup, add_chain, check_documents, check_lookup_tokens, tree_with_chain
 from .propose import propose
-from .tree import Tree
+from .tree import Tree, build_tree
 from .verify import forward_block
 
 
@@ -29,6 +30,14 @@ class GenerationStats:
     row_steps: list[int] = field(default_factory=list)    # per row: steps in which the row was still generating
     accepted_at_depth: list[int] = field(default_factory=list)  # [d]: row-steps whose accepted path reached depth d+1
     wall_time: float = 0.0
+    # Lookup (generate with lookup_tokens): candidate tokens accepted from the lookup chain (bonus not counted).
+    lookup_accepted: int | None = None
+    # Draft model (generate_with_draft): per-token acceptance estimate alpha, mean seconds of one draft forward
+    # (c_q) and of one verify pass (c_p), and the number of draft tokens K of every step.
+    acceptance_rate: float | None = None
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    draft_lengths: list[int] | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -40,9 +49,13 @@ class GenerationStats:
         return sum(self.new_tokens) / self.wall_time if self.wall_time > 0 else 0.0
 
     def to_dict(self) -> dict:
+        optional = {name: getattr(self, name) for name in _OPTIONAL_STATS if getattr(self, name) is not None}
         return {"steps": self.steps, "new_tokens": self.new_tokens, "row_steps": self.row_steps,
                 "accepted_at_depth": self.accepted_at_depth, "tokens_per_step": self.tokens_per_step,
-                "tokens_per_second": self.tokens_per_second, "wall_time": self.wall_time}
+                "tokens_per_second": self.tokens_per_second, "wall_time": self.wall_time, **optional}
+
+
+_OPTIONAL_STATS = ("lookup_accepted", "acceptance_rate", "draft_seconds", "verify_seconds", "draft_lengths")
 
 
 @dataclass
@@ -69,86 +82,156 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer):
         raise ValueError("a streamer works with one prompt (batch size 1), as in transformers")
 
 
-def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module, tree: Tree, input_ids: torch.Tensor,
-             attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, sampling: Sampling = Sampling(),
-             eos_token_id: list[int] | None = None, pad_token_id: int | None = None, streamer=None) -> GenerateOutput:
-    _check_inputs(input_ids, attention_mask, max_new_tokens, streamer)
-    device, _ = model_device_dtype(base_model)
-    start = time.perf_counter()
-    input_ids = input_ids.to(device=device, dtype=torch.long)
-    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)).bool()
-    batch, prompt_length = input_ids.shape
-    tree = tree.to(device)
-    eos = torch.tensor(eos_token_id or [], dtype=torch.long, device=device)
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id[0] if eos_token_id else 0)
+def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
+    """(eos ids, pad id), defaulting to the base model's generation_config; eos_token_id=[] never stops early."""
+    gen_config = getattr(base_model, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(gen_config, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(gen_config, "pad_token_id", None)
+    return ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])), pad_token_id
 
-    # Output buffer; one spare column takes the writes of tokens that are not emitted.
-    sequences = torch.full((batch, prompt_length + max_new_tokens + 1), pad, dtype=torch.long, device=device)
-    sequences[:, :prompt_length] = input_ids
-    n_generated = torch.zeros(batch, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    stats = GenerationStats()
-    accepted_at_depth = torch.zeros(tree.max_depth, dtype=torch.long, device=device)
-    row_steps = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def emit(new_tokens, n_new):
-        """Append up to n_new [B] of new_tokens [B, M] per row, stopping after an eos or the budget."""
-        nonlocal n_generated, finished
-        offsets = torch.arange(new_tokens.shape[1], device=device)
-        is_eos = torch.isin(new_tokens, eos) & (offsets < n_new[:, None])
+class SequenceWriter:
+    """The output buffer: appends each row's new tokens, stopping a row after its eos or at max_new_tokens."""
+
+    def __init__(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: list[int], pad: int):
+        device = input_ids.device
+        batch, self.prompt_length = input_ids.shape
+        self.max_new_tokens = max_new_tokens
+        self.eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)
+        # One spare column takes the writes of tokens that are not emitted.
+        self.sequences = torch.full((batch, self.prompt_length + max_new_tokens + 1), pad, dtype=torch.long, device=device)
+        self.sequences[:, : self.prompt_length] = input_ids
+        self.n_generated = torch.zeros(batch, dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.row_steps = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def append(self, new_tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
+        """Append up to n_new [B] of new_tokens [B, M] per row; returns how many each row took [B]."""
+        offsets = torch.arange(new_tokens.shape[1], device=new_tokens.device)
+        is_eos = torch.isin(new_tokens, self.eos) & (offsets < n_new[:, None])
         until_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, n_new)
-        count = torch.minimum(until_eos, max_new_tokens - n_generated).masked_fill(finished, 0)
-        columns = prompt_length + n_generated[:, None] + offsets
-        columns = columns.masked_fill(offsets >= count[:, None], sequences.shape[1] - 1)
-        sequences.scatter_(1, columns, new_tokens)
-        row_steps.add_((~finished).long())
-        finished = finished | (is_eos & (offsets < count[:, None])).any(-1) | (n_generated + count >= max_new_tokens)
-        n_generated = n_generated + count
+        count = torch.minimum(until_eos, self.max_new_tokens - self.n_generated).masked_fill(self.finished, 0)
+        columns = self.prompt_length + self.n_generated[:, None] + offsets
+        columns = columns.masked_fill(offsets >= count[:, None], self.sequences.shape[1] - 1)
+        self.sequences.scatter_(1, columns, new_tokens)
+        self.row_steps.add_((~self.finished).long())
+        self.finished = (self.finished | (is_eos & (offsets < count[:, None])).any(-1)
+                         | (self.n_generated + count >= self.max_new_tokens))
+        self.n_generated = self.n_generated + count
         return count
 
-    def stream(new_tokens, count):
-        if streamer is not None and count > 0:
-            streamer.put(new_tokens[0, :count].cpu())
+    def output(self, stats: GenerationStats) -> GenerateOutput:
+        stats.new_tokens = self.n_generated.tolist()
+        stats.row_steps = self.row_steps.tolist()
+        return GenerateOutput(self.sequences[:, : self.prompt_length + max(stats.new_tokens)], stats)
+
+
+def stream(streamer, new_tokens: torch.Tensor, count: int) -> None:
+    if streamer is not None and count > 0:
+        streamer.put(new_tokens[0, :count].cpu())
+
+
+def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
+    """The prompt as a chain into `cache`: returns (last logits [B, 1, V], last hidden [B, H], slot_valid [B, S],
+    slot_pos [B, S]); padding slots are invalid and positions count only real tokens."""
+    prompt_length = input_ids.shape[1]
+    slot_valid = attention_mask
+    slot_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=input_ids.device).tril()
+    logits, hidden = forward_block(model, spec, input_ids, slot_pos, causal, cache, slot_valid, slot_pos, last_only=True)
+    check_cache(cache, prompt_length)
+    return logits, hidden[:, -1], slot_valid, slot_pos
+
+
+def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer):
+    """Checked inputs on the model's device: (input_ids, attention_mask as bool)."""
+    _check_inputs(input_ids, attention_mask, max_new_tokens, streamer)
+    device, _ = model_device_dtype(model)
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)).bool()
+    return input_ids, attention_mask
+
+
+def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tree: Tree, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+             eos_token_id: list[int] | None = None, pad_token_id: int | None = None, streamer=None,
+             lookup_tokens: int = 0, documents=None) -> GenerateOutput:
+    """The speculative loop. `lookup_tokens` > 0 adds a prompt-lookup chain of that length to `tree`'s root
+    (candidates copied from the prompt, the generated text and `documents`, lists of token ids); `heads` may be
+    None when `tree` is root-only."""
+    check_lookup_tokens(lookup_tokens)
+    documents = check_documents(documents, spec.vocab_size)
+    if documents and not lookup_tokens:
+        raise ValueError("documents are only searched by prompt lookup: pass lookup_tokens >= 1 (e.g. 10) with them")
+    start = time.perf_counter()
+    input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
+    device = input_ids.device
+    batch = input_ids.shape[0]
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id[0] if eos_token_id else 0)
+    num_tree_nodes = tree.num_nodes
+    lookup = None
+    if lookup_tokens:
+        prompts = [row[mask].tolist() for row, mask in zip(input_ids, attention_mask)]  # real tokens, no padding
+        lookup = PromptLookup(prompts, documents, lookup_tokens)
+    # The tree verify and accept see: the heads' tree, plus the lookup chain off its root.
+    verify_tree = (tree_with_chain(tree, lookup_tokens) if lookup else tree).to(device)
+    tree = tree.to(device)
+    writer = SequenceWriter(input_ids, max_new_tokens, eos_token_id or [], pad)
+    stats = GenerationStats()
+    accepted_at_depth = torch.zeros(verify_tree.max_depth, dtype=torch.long, device=device)
+    lookup_accepted = torch.zeros((), dtype=torch.long, device=device)
 
     with torch.inference_mode():
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
         cache = new_cache()
-        slot_valid = attention_mask
-        slot_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()
-        logits, hidden = forward_block(base_model, spec, input_ids, slot_pos, causal, cache, slot_valid, slot_pos, last_only=True)
-        check_cache(cache, prompt_length)
+        logits, last_hidden, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
         root = draw_targets(logits, sampling)[:, -1]
-        last_hidden = hidden[:, -1]
         next_pos = slot_pos[:, -1] + 1
-        count = emit(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
+        count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
         stats.steps = 1
-        host_count, done = count[0].item(), bool(finished.all())
-        stream(root[:, None], host_count)
+        synced = torch.cat([writer.finished.all()[None].long(), count, root]).tolist()
+        done, counts = bool(synced[0]), synced[1: 1 + batch]
+        stream(streamer, root[:, None], counts[0])
+        if lookup:
+            lookup.extend([[token] for token in synced[1 + batch:]])
 
         while not done:
-            # 2. Propose: the heads read only the last accepted node's hidden state.
+            # 2. Propose: the heads read only the last accepted node's hidden state; the lookup chain
+            # comes from the host-side n-gram search.
             node_tokens = propose(heads, base_model, root, last_hidden, tree) if tree.num_nodes > 1 else root[:, None]
+            candidates = node_tokens
+            if lookup:
+                chain_tokens, has_match = lookup.propose(device)
+                node_tokens, candidates = add_chain(node_tokens, chain_tokens, has_match, num_tree_nodes, verify_tree.depth)
             # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
-            q_pos = next_pos[:, None] + tree.depth
+            q_pos = next_pos[:, None] + verify_tree.depth
             past_length = slot_valid.shape[1]
             kv_valid = torch.cat([slot_valid, torch.ones_like(node_tokens, dtype=torch.bool)], dim=1)
-            logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, cache, kv_valid,
+            logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, verify_tree.tree_mask, cache, kv_valid,
                                            torch.cat([slot_pos, q_pos], dim=1))
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
-            last_node, accept_length, bonus = accept(node_tokens, logits, tree, sampling)
-            path = tree.node_paths[last_node]  # [B, D+1]: root, accepted nodes, then repeats
+            last_node, accept_length, bonus = accept(candidates, logits, verify_tree, sampling)
+            path = verify_tree.node_paths[last_node]  # [B, D+1]: root, accepted nodes, then repeats
             new_tokens = torch.cat([node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
             new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
-            accepted_at_depth += (accept_length[:, None] > torch.arange(tree.max_depth, device=device)).masked_fill(
-                finished[:, None], False).sum(0)
-            count = emit(new_tokens, accept_length + 1)
-            # The one host sync of the step.
-            synced = torch.cat([count[:1], accept_length.max()[None], finished.all()[None].long()]).tolist()
-            host_count, longest, done = synced[0], synced[1] + 1, bool(synced[2])
-            stream(new_tokens, host_count)
+            active = ~writer.finished
+            accepted_at_depth += (accept_length[:, None] > torch.arange(verify_tree.max_depth, device=device)).masked_fill(
+                ~active[:, None], False).sum(0)
+            if lookup:
+                lookup_accepted += (accept_length * ((last_node >= num_tree_nodes) & active)).sum()
+            count = writer.append(new_tokens, accept_length + 1)
+            # The one host sync of the step (with lookup it also brings the new tokens to the host search).
+            synced = torch.cat([accept_length.max()[None], writer.finished.all()[None].long(), count,
+                                new_tokens.flatten() if lookup else count[:0]]).tolist()
+            longest, done, counts = synced[0] + 1, bool(synced[1]), synced[2: 2 + batch]
+            stream(streamer, new_tokens, counts[0])
+            if lookup:
+                width = new_tokens.shape[1]
+                lookup.extend([synced[2 + batch + b * width: 2 + batch + b * width + counts[b]] for b in range(batch)])
             stats.steps += 1
             # 5. Commit: keep each row's accepted path in the cache (rows that accepted fewer
             # than the longest get invalid slots: sync points), then move the root forward.
@@ -162,8 +245,25 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module, tree: Tree
 
     if streamer is not None:
         streamer.end()
-    stats.new_tokens = n_generated.tolist()
-    stats.row_steps = row_steps.tolist()
     stats.accepted_at_depth = accepted_at_depth.tolist()
+    if lookup:
+        stats.lookup_accepted = int(lookup_accepted)
     stats.wall_time = time.perf_counter() - start
-    return GenerateOutput(sequences[:, : prompt_length + max(stats.new_tokens)], stats)
+    return writer.output(stats)
+
+
+def generate_with_lookup(base_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
+                         top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                         pad_token_id: int | None = None, lookup_tokens: int = 10, documents=None,
+                         streamer=None) -> GenerateOutput:
+    """Prompt-lookup speculation with no heads, through this library's verifier (lossless, like the rest):
+    each step checks a chain of `lookup_tokens` candidates copied from where the text's last n-gram (n = 3
+    down to 1) occurred in the prompt, the generated text or `documents` (token id lists). Arguments as in
+    MedusaModel.generate; `sequences` [B, prompt + new] as transformers' generate."""
+    if lookup_tokens == 0:
+        raise ValueError("generate_with_lookup needs lookup_tokens >= 1 (the lookup chain's length, e.g. 10)")
+    spec = inspect_base_model(base_model)
+    eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
+    return generate(base_model, spec, None, build_tree([]), input_ids, attention_mask, max_new_tokens,
+                    Sampling(do_sample, temperature, top_k, top_p), eos, pad, streamer, lookup_tokens, documents)

@@ -20,6 +20,12 @@ from torch import nn
 from .config import HEAD_TYPES
 
 
+def unit_rms(embeds: torch.Tensor) -> torch.Tensor:
+    """Token embeddings scaled to unit RMS: input embeddings are often far smaller than the normed final
+    hidden state beside them (init std ~0.02), which would leave their input weights learning slowly."""
+    return embeds * torch.rsqrt(embeds.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 class ResidualBlock(nn.Module):
     """`num_layers` distinct blocks x <- x + SiLU(W x + b); W starts at zero so a new head
     initially reproduces the base model's next-token prediction."""
@@ -116,7 +122,7 @@ class MedusaHeads(nn.Module):
 
     def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Dependent head k: hidden_states [..., H], path_embeds [..., k + 1, H] -> logits [..., V']."""
-        x = torch.cat([hidden_states, path_embeds.flatten(-2)], dim=-1)
+        x = torch.cat([hidden_states, unit_rms(path_embeds).flatten(-2)], dim=-1)
         return self.project(self.blocks[k](self.inputs[k](x)), base_lm_head, head=k)
 
     def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +136,7 @@ class MedusaHeads(nn.Module):
             return self.project(torch.stack([block(hidden_states) for block in self.blocks], dim=-2), base_lm_head)
         if next_embeds is None:
             raise ValueError("dependent heads need next_embeds, the embeddings of the tokens that follow each position")
-        shifted = [next_embeds]
+        shifted = [unit_rms(next_embeds)]
         for _ in range(self.num_heads - 1):
             previous = shifted[-1]
             shifted.append(torch.cat([previous[..., 1:, :], torch.zeros_like(previous[..., :1, :])], dim=-2))

@@ -1,0 +1,167 @@
+"""Prompt lookup: a chain of candidates copied from where the text's last n-gram occurred before.
+
+The sources are each row's prompt and generated tokens and any `documents` (token id lists).
+The chain hangs off the root of the Medusa tree (or of a root-only tree: lookup with no heads),
+so one verify pass checks both. The search runs on the host over plain token lists: the
+step's one host sync already brings the new tokens back, and an index from n-gram to position,
+updated with each step's new tokens, makes a search a few dict lookups per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .tree import Tree
+
+DEFAULT_MAX_NGRAM = 3
+# Written into the acceptance copy of node tokens for nodes that must not be reached: no drawn token equals it.
+UNREACHABLE = -1
+
+
+def check_documents(documents, vocab_size: int) -> list[list[int]]:
+    """Documents as token id lists (lists of ints or 1-D integer tensors); raises ValueError naming the fix."""
+    fix = "tokenize them first: documents=[tokenizer(text).input_ids for text in texts]"
+    if documents is None:
+        return []
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, (list, tuple)):
+        raise ValueError(f"documents must be a list of token id lists, got {type(documents).__name__}; {fix}")
+    checked = []
+    for i, document in enumerate(documents):
+        if torch.is_tensor(document):
+            if document.dim() != 1 or document.dtype.is_floating_point or document.dtype == torch.bool:
+                raise ValueError(f"documents[{i}] is a tensor of shape {tuple(document.shape)} and dtype {document.dtype}; "
+                                 f"pass a 1-D integer tensor or a list of ints ({fix})")
+            document = document.tolist()
+        if isinstance(document, (str, bytes)) or not isinstance(document, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in document):
+            raise ValueError(f"documents[{i}] is not a list of token ids (got {type(document).__name__}); {fix}")
+        bad = [t for t in document if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"documents[{i}] holds token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size}); "
+                             f"tokenize the documents with the model's own tokenizer")
+        checked.append(list(document))
+    return checked
+
+
+def check_lookup_tokens(lookup_tokens) -> None:
+    if not isinstance(lookup_tokens, int) or isinstance(lookup_tokens, bool) or lookup_tokens < 0:
+        raise ValueError(f"lookup_tokens must be an integer >= 1 (the lookup chain's length; 0 turns lookup off), "
+                         f"got {lookup_tokens!r}")
+
+
+class NgramIndex:
+    """A growing token list and, for every n-gram (n <= max_ngram), where the token after its latest occurrence is."""
+
+    def __init__(self, tokens: list[int], max_ngram: int = DEFAULT_MAX_NGRAM):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.next_start: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, new_tokens: list[int]) -> None:
+        for token in new_tokens:
+            end = len(self.tokens)  # every n-gram ending here is now followed by `token`
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.next_start[tuple(self.tokens[end - n:end])] = end
+            self.tokens.append(token)
+
+
+def lookup_chain(context: NgramIndex, documents: list[NgramIndex], length: int) -> list[int]:
+    """Up to `length` tokens that followed the longest suffix (n = max_ngram down to 1) of `context`'s tokens
+    seen earlier in the context, else in a document; [] when no suffix occurred before.
+
+    A copy from the context may run into the context's own end: it then goes on copying the tokens it
+    has just proposed (the text repeats with the period of the match).
+    """
+    tokens = context.tokens
+    for n in range(min(context.max_ngram, len(tokens)), 0, -1):
+        suffix = tuple(tokens[-n:])
+        for index in (context, *documents):
+            start = index.next_start.get(suffix)
+            if start is None:
+                continue
+            source = index.tokens
+            chain: list[int] = []
+            for j in range(start, start + length):
+                if j < len(source):
+                    chain.append(source[j])
+                elif index is context:
+                    chain.append(chain[j - len(source)])
+                else:
+                    break
+            return chain
+    return []
+
+
+class PromptLookup:
+    """Per-row indexes of prompt + generated tokens, the documents' indexes, and the chain each row proposes."""
+
+    def __init__(self, prompts: list[list[int]], documents: list[list[int]], chain_length: int,
+                 max_ngram: int = DEFAULT_MAX_NGRAM):
+        self.rows = [NgramIndex(prompt, max_ngram) for prompt in prompts]
+        self.documents = [NgramIndex(document, max_ngram) for document in documents]
+        self.chain_length = chain_length
+
+    def extend(self, new_tokens: list[list[int]]) -> None:
+        """Append each row's newly emitted tokens (host lists)."""
+        for index, tokens in zip(self.rows, new_tokens):
+            index.extend(tokens)
+
+    def propose(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chain_tokens [B, L], has_match [B]). Positions past a short match repeat its last token and rows
+        with no match repeat their last token: any valid token id is safe, since a chain node is accepted
+        only where it equals the base model's own token; rows with no match are made unreachable anyway."""
+        chains, has_match = [], []
+        for index in self.rows:
+            chain = lookup_chain(index, self.documents, self.chain_length)
+            has_match.append(bool(chain))
+            chain = chain or index.tokens[-1:]
+            chains.append(chain + chain[-1:] * (self.chain_length - len(chain)))
+        return (torch.tensor(chains, dtype=torch.long, device=device),
+                torch.tensor(has_match, dtype=torch.bool, device=device))
+
+
+def tree_with_chain(tree: Tree, length: int) -> Tree:
+    """`tree` (N nodes) plus a chain of `length` nodes hanging off its root, appended as nodes N .. N+length-1.
+
+    For verify and accept, which read depth, parent, tree_mask and node_paths; `choices`, `head` and `rank`
+    still describe the first N nodes only, so propose with the original tree.
+    """
+    tree = tree.to("cpu")
+    n, total = tree.num_nodes, tree.num_nodes + length
+    max_depth = max(tree.max_depth, length)
+    chain = torch.arange(n, total)
+    depth = torch.cat([tree.depth, torch.arange(1, length + 1)])
+    parent = torch.cat([tree.parent, torch.cat([torch.zeros(1, dtype=torch.long), chain[:-1]])])
+    tree_mask = torch.zeros(total, total, dtype=torch.bool)
+    tree_mask[:n, :n] = tree.tree_mask
+    tree_mask[n:, 0] = True
+    tree_mask[n:, n:] = torch.ones(length, length, dtype=torch.bool).tril()
+    # Past its depth a node's path repeats the node itself (as build_tree lays it out).
+    node_paths = torch.empty(total, max_depth + 1, dtype=torch.long)
+    node_paths[:n, : tree.max_depth + 1] = tree.node_paths
+    node_paths[:n, tree.max_depth + 1:] = torch.arange(n)[:, None]
+    node_paths[n:, 0] = 0
+    node_paths[n:, 1:] = torch.where(torch.arange(max_depth)[None, :] <= torch.arange(length)[:, None],
+                                     n + torch.arange(max_depth)[None, :], chain[:, None])
+    return dataclasses.replace(tree, depth=depth, parent=parent, tree_mask=tree_mask, node_paths=node_paths)
+
+
+def add_chain(node_tokens: torch.Tensor, chain_tokens: torch.Tensor, has_match: torch.Tensor, num_tree_nodes: int,
+              depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa node tokens [B, N] + lookup chains [B, L] -> (node_tokens [B, N + L] for the verify pass,
+    candidates [B, N + L] for acceptance).
+
+    Acceptance assumes siblings hold distinct tokens (reached nodes form one chain); a chain whose first
+    token equals a depth-1 Medusa candidate would break that. The choice of which one stays reachable
+    is made from the tokens alone, before any draw, so it keeps sampling exact: a matched chain wins
+    (it copies a run of text, usually longer than the heads' guesses), and a row with no match keeps
+    its chain out of reach entirely. `depth` [N + L] is the merged tree's.
+    """
+    node_tokens = torch.cat([node_tokens, chain_tokens], dim=1)
+    duplicate = (node_tokens[:, :num_tree_nodes] == chain_tokens[:, :1]) & (depth[:num_tree_nodes] == 1)
+    unreachable = torch.cat([duplicate & has_match[:, None],
+                             (~has_match)[:, None].expand(-1, chain_tokens.shape[1])], dim=1)
+    return node_tokens, node_tokens.masked_fill(unreachable, UNREACHABLE)
