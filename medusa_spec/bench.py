@@ -2,8 +2,12 @@
 
 Methods: transformers greedy `generate` (the reference), transformers prompt-lookup decoding,
 this library with speculation off (same loop, root-only tree), greedy with the tree, and
-sampling at T=0.7. Reports tokens/s, mean tokens per step, speed-up over the reference and, for
-greedy methods, the fraction of prompts whose output equals the reference token for token.
+sampling at T=0.7; then the other proposers through this library's verifier, greedy: the tree
+plus a prompt-lookup chain (medusa_lookup), the lookup chain alone (lookup), a draft made of
+the base model's first layers with adaptive K (self_draft) and a separate draft model
+(draft_model, only when one is given). Reports tokens/s, mean tokens per step (per base-model
+pass), speed-up over the reference and, for greedy methods, the fraction of prompts whose
+output equals the reference token for token.
 """
 
 from __future__ import annotations
@@ -16,9 +20,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-METHODS = ("hf_greedy", "hf_prompt_lookup", "medusa_off", "medusa_greedy", "medusa_sample")
-GREEDY = ("hf_prompt_lookup", "medusa_off", "medusa_greedy")
+from .draft import generate_with_draft, self_draft
+from .generate import generate_with_lookup
+
+METHODS = ("hf_greedy", "hf_prompt_lookup", "medusa_off", "medusa_greedy", "medusa_sample", "medusa_lookup", "lookup",
+           "self_draft", "draft_model")
+DRAFT_METHODS = ("self_draft", "draft_model")
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "draft_model")  # every method that needs no extra model
+GREEDY = ("hf_prompt_lookup", "medusa_off", "medusa_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model")
 REFERENCE = "hf_greedy"
+LOOKUP_TOKENS = 10  # as hf_prompt_lookup's prompt_lookup_num_tokens
 
 
 def read_eval_prompts(path: str | Path, per_category: int | None = None) -> list[tuple[str, str]]:
@@ -47,40 +58,71 @@ def encode(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tree) -> dict:
-    """One generation; returns new tokens, seconds, forward passes (None where unknown) and the sequence."""
+def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tree, drafts=None,
+               lookup_tokens: int = LOOKUP_TOKENS) -> dict:
+    """One generation; returns new tokens, seconds, forward passes (None where unknown) and the sequence.
+    drafts: {method: draft model} for the draft methods."""
     base = mm.base_model
     input_ids = input_ids.to(base.device)
     start = time.perf_counter()
     if method.startswith("hf_"):
-        extra = {"prompt_lookup_num_tokens": 10} if method == "hf_prompt_lookup" else {}
+        extra = {"prompt_lookup_num_tokens": LOOKUP_TOKENS} if method == "hf_prompt_lookup" else {}
         with torch.inference_mode():
             sequence = base.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                      max_new_tokens=max_new_tokens, **extra)[0]
         seconds = time.perf_counter() - start
         new = sequence.shape[0] - input_ids.shape[1]
-        steps = new if method == REFERENCE else None
+        return {"new_tokens": new, "seconds": seconds, "steps": new if method == REFERENCE else None,
+                "sequence": sequence.cpu()}
+    if method in ("medusa_lookup", "lookup"):
+        out = generate_with_lookup(mm if method == "medusa_lookup" else base, input_ids, max_new_tokens=max_new_tokens,
+                                   lookup_tokens=lookup_tokens, tree=tree if method == "medusa_lookup" else None)
+    elif method in DRAFT_METHODS:
+        out = generate_with_draft(base, drafts[method], input_ids, max_new_tokens=max_new_tokens)
     else:
         sampling = dict(do_sample=True, temperature=0.7) if method == "medusa_sample" else {}
         out = mm.generate(input_ids, max_new_tokens=max_new_tokens, tree=[] if method == "medusa_off" else tree,
                           **sampling)
-        seconds = time.perf_counter() - start
-        sequence, new, steps = out.sequences[0], out.stats.new_tokens[0], out.stats.row_steps[0]
-    return {"new_tokens": new, "seconds": seconds, "steps": steps, "sequence": sequence.cpu()}
+    seconds = time.perf_counter() - start
+    record = {"new_tokens": out.stats.new_tokens[0], "seconds": seconds, "steps": out.stats.row_steps[0],
+              "sequence": out.sequences[0].cpu()}
+    if out.stats.acceptance_rate is not None:
+        record |= {"acceptance_rate": out.stats.acceptance_rate,
+                   "mean_draft_length": sum(out.stats.draft_lengths) / len(out.stats.draft_lengths)}
+    return record
+
+
+def draft_models(base_model, methods, self_draft_layers: int | None = None, draft_model=None) -> dict:
+    """{method: draft model} for the draft methods among `methods`: the base model's first `self_draft_layers`
+    layers (default: half of them) for self_draft, `draft_model` (if given) for draft_model."""
+    drafts = {}
+    if "self_draft" in methods:
+        layers = self_draft_layers or max(1, base_model.config.get_text_config().num_hidden_layers // 2)
+        drafts["self_draft"] = self_draft(base_model, layers)
+    if "draft_model" in methods and draft_model is not None:
+        drafts["draft_model"] = draft_model
+    return drafts
 
 
 def bench(mm, tokenizer, prompts: list[tuple[str, str]], max_new_tokens: int = 256, tree=None,
-          methods=METHODS, seed: int = 0) -> list[dict]:
-    """Per-prompt records of every method; the methods' order rotates from prompt to prompt."""
+          methods=DEFAULT_METHODS, seed: int = 0, drafts=None, lookup_tokens: int = LOOKUP_TOKENS) -> list[dict]:
+    """Per-prompt records of every method; the methods' order rotates from prompt to prompt.
+    drafts: {method: draft model} for the draft methods among `methods` (see draft_models)."""
+    methods = tuple(methods)
+    missing = [m for m in methods if m in DRAFT_METHODS and m not in (drafts or {})]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} needs a draft model: pass drafts (bench.draft_models) or, on the command "
+                         f"line, --draft-model DIR for draft_model")
     torch.manual_seed(seed)
     warm = encode(tokenizer, "Hello")
     for method in methods:  # first calls pay one-off costs (allocations, kernel selection)
-        run_method(method, mm, warm, 4, tree)
+        run_method(method, mm, warm, 4, tree, drafts, lookup_tokens)
     records = []
     for i, (category, text) in enumerate(tqdm(prompts, desc="bench", unit="prompt")):
         input_ids = encode(tokenizer, text)
         order = methods[i % len(methods):] + methods[: i % len(methods)]
-        results = {method: run_method(method, mm, input_ids, max_new_tokens, tree) for method in order}
+        results = {method: run_method(method, mm, input_ids, max_new_tokens, tree, drafts, lookup_tokens)
+                   for method in order}
         reference = results[REFERENCE]["sequence"] if REFERENCE in results else None
         for method, result in results.items():
             sequence = result.pop("sequence")
@@ -108,6 +150,9 @@ def summarize(records: list[dict]) -> dict:
                        "speedup": round(rate[method] / rate[REFERENCE], 3) if REFERENCE in rate else None}
             if method in GREEDY and REFERENCE in rate:
                 figures["equal_to_reference"] = round(sum(r["equal_to_reference"] for r in rs) / len(rs), 3)
+            if "acceptance_rate" in rs[0]:
+                for name in ("acceptance_rate", "mean_draft_length"):
+                    figures[name] = round(sum(r[name] for r in rs) / len(rs), 3)
             summary[group][method] = figures
     return summary
 

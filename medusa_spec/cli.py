@@ -12,6 +12,8 @@ import torch
 
 from . import bench, default_model
 from .config import MedusaConfig
+from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
+from .generate import generate_with_lookup
 from .formats import add_convert_command
 from .train.cli import add_train_commands
 from .model import MedusaModel
@@ -89,18 +91,60 @@ def _auto_tree(mm):
     return tree
 
 
+def _check_proposer_options(args) -> None:
+    """Refuse option combinations before any model is loaded."""
+    uses_draft = args.draft_model is not None or args.self_draft_layers is not None
+    if args.draft_model is not None and args.self_draft_layers is not None:
+        raise ValueError("--draft-model and --self-draft-layers each choose a draft model; give one of them")
+    if uses_draft and args.lookup:
+        raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a draft model: drop one")
+    if args.documents and not args.lookup:
+        raise ValueError("--documents are searched by prompt lookup: add --lookup N (e.g. --lookup 10)")
+    if args.draft_tokens is not None and not uses_draft:
+        raise ValueError("--draft-tokens sets K for a draft model: add --draft-model DIR or --self-draft-layers N")
+
+
+def load_draft_model(args):
+    """The causal LM of --draft-model DIR, on --device in --dtype (None without it)."""
+    from transformers import AutoModelForCausalLM
+
+    if args.draft_model is None:
+        return None
+    return AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=DTYPES[args.dtype]).to(args.device).eval()
+
+
 def generate(args) -> int:
     """Generate, streaming text; --compare also times plain decoding."""
     from transformers import TextStreamer
 
+    _check_proposer_options(args)
+    if args.draft_model is not None or args.self_draft_layers is not None:
+        args.tree = None  # a draft model replaces the heads' tree: nothing to measure for --tree auto
     mm, tokenizer = load(args)
     base = mm.base_model
     ids = bench.encode(tokenizer, args.prompt)
-    out = mm.generate(ids, max_new_tokens=args.max_new_tokens, tree=args.tree,
-                      streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **_sampling_kwargs(args))
+    options = dict(max_new_tokens=args.max_new_tokens, streamer=TextStreamer(tokenizer, skip_prompt=True,
+                                                                             skip_special_tokens=True),
+                   **_sampling_kwargs(args))
+    draft = self_draft(base, args.self_draft_layers) if args.self_draft_layers is not None else load_draft_model(args)
+    if draft is not None:
+        out = generate_with_draft(base, draft, ids, num_draft_tokens=args.draft_tokens,
+                                  max_draft_tokens=args.max_draft_tokens, **options)
+    elif args.lookup:
+        documents = [tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+                     for path in args.documents or []]
+        out = generate_with_lookup(mm, ids, lookup_tokens=args.lookup, documents=documents, tree=args.tree, **options)
+    else:
+        out = mm.generate(ids, tree=args.tree, **options)
     stats = out.stats
+    extra = ""
+    if stats.lookup_accepted is not None:
+        extra = f", {stats.lookup_accepted} from lookup"
+    if stats.acceptance_rate is not None:
+        extra = (f", draft acceptance {stats.acceptance_rate:.2f}, mean K "
+                 f"{sum(stats.draft_lengths) / len(stats.draft_lengths):.1f}")
     print(f"\n[{sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s, "
-          f"{stats.tokens_per_step:.2f} tokens/step]", file=sys.stderr)
+          f"{stats.tokens_per_step:.2f} tokens/step{extra}]", file=sys.stderr)
     if args.compare:
         start = time.perf_counter()
         with torch.inference_mode():
@@ -140,11 +184,24 @@ def chat(args) -> int:
 
 
 def run_bench(args) -> int:
+    if args.methods and "draft_model" in args.methods and args.draft_model is None:
+        raise ValueError("the draft_model method needs --draft-model DIR")
     mm, tokenizer = load(args)
+    methods = args.methods
+    if methods is None:  # every method that needs no extra model, and draft_model when one is given
+        methods = bench.DEFAULT_METHODS + (("draft_model",) if args.draft_model is not None else ())
+        if mm.base_model.config.model_type not in SELF_DRAFT_FAMILIES:
+            methods = tuple(m for m in methods if m != "self_draft")
+            print(f"[self_draft left out: it supports {', '.join(SELF_DRAFT_FAMILIES)} models]", file=sys.stderr)
+    drafts = bench.draft_models(mm.base_model, methods, args.self_draft_layers,
+                                load_draft_model(args) if "draft_model" in methods else None)
     prompts = bench.read_eval_prompts(args.prompts, args.per_category)
-    records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, seed=args.seed)
+    records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, methods, seed=args.seed,
+                          drafts=drafts, lookup_tokens=args.lookup)
     meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(args.heads or default_model.HEADS_DIR),
             "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+            "methods": list(methods), "lookup_tokens": args.lookup, "self_draft_layers": args.self_draft_layers,
+            "draft_model": args.draft_model,
             "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype}
     report = bench.write_report(records, args.out, meta)
     print(bench.markdown(report["summary"]))
@@ -172,6 +229,29 @@ def _add_generation_options(parser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _add_proposer_options(parser) -> None:
+    parser.add_argument("--lookup", type=_positive_int, default=0, metavar="N",
+                        help="also verify a chain of N prompt-lookup candidates (copied from the prompt, the output "
+                             "and --documents) in the same pass as the heads' tree")
+    parser.add_argument("--documents", nargs="+", default=None, metavar="FILE",
+                        help="text files whose tokens prompt lookup also searches (with --lookup)")
+    parser.add_argument("--draft-model", default=None, metavar="DIR",
+                        help="speculate with this draft model (same vocabulary) instead of the heads")
+    parser.add_argument("--self-draft-layers", type=_positive_int, default=None, metavar="N",
+                        help="speculate with a draft made of the model's first N layers (Llama, Qwen2, Gemma)")
+    parser.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
+                        help="draft tokens per step (default: chosen each step from measured acceptance and costs)")
+    parser.add_argument("--max-draft-tokens", type=_positive_int, default=8, metavar="K",
+                        help="upper bound of the adaptive number of draft tokens")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="medusa-spec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -187,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
     _add_generation_options(p)
+    _add_proposer_options(p)
     p.set_defaults(func=generate)
 
     p = commands.add_parser("chat", help="multi-turn chat with Medusa heads (empty line quits)")
@@ -204,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON rank paths, or 'auto' (fastest for this machine and the heads' accuracies)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
+    p.add_argument("--methods", nargs="+", choices=bench.METHODS, default=None,
+                   help="methods to compare (default: every method that needs no extra model, and draft_model "
+                        "with --draft-model)")
+    p.add_argument("--lookup", type=_positive_int, default=bench.LOOKUP_TOKENS, metavar="N",
+                   help="lookup chain length of the lookup and medusa_lookup methods")
+    p.add_argument("--self-draft-layers", type=_positive_int, default=None, metavar="N",
+                   help="layers of the self_draft method's draft (default: half the model's)")
+    p.add_argument("--draft-model", default=None, metavar="DIR", help="draft model of the draft_model method")
     p.set_defaults(func=run_bench)
 
     add_train_commands(commands)

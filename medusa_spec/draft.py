@@ -92,13 +92,14 @@ class StageClock:
     sync, when they have completed), host time elsewhere (CPU work runs synchronously)."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def mark(self):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def seconds(self, start, end) -> float:
@@ -106,12 +107,14 @@ class StageClock:
 
 
 def _check_draft_lengths(num_draft_tokens, max_draft_tokens) -> None:
-    for name, value in (("num_draft_tokens", num_draft_tokens), ("max_draft_tokens", max_draft_tokens)):
-        if value is None and name == "num_draft_tokens":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1 (draft tokens per step), got {value!r}"
-                             + ("; pass None to choose K adaptively" if name == "num_draft_tokens" else ""))
+    def positive_int(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if num_draft_tokens is not None and not positive_int(num_draft_tokens):
+        raise ValueError(f"num_draft_tokens must be an integer >= 1 (draft tokens per step), or None to choose it "
+                         f"each step, got {num_draft_tokens!r}")
+    if not positive_int(max_draft_tokens):
+        raise ValueError(f"max_draft_tokens must be an integer >= 1 (the most draft tokens per step), got {max_draft_tokens!r}")
 
 
 def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids: torch.Tensor,
@@ -130,12 +133,11 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
     _check_draft_lengths(num_draft_tokens, max_draft_tokens)
     spec, draft_spec = check_draft_model(base_model, draft_model)
     sampling = Sampling(do_sample, temperature, top_k, top_p)
-    eos, pad_token_id = special_tokens(base_model, eos_token_id, pad_token_id)
+    eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
     start = time.perf_counter()
     input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
     device = input_ids.device
     batch = input_ids.shape[0]
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     max_k = num_draft_tokens or max_draft_tokens
     chains = {}  # K -> the chain tree root -> x_1 -> ... -> x_K, built on first use
     writer = SequenceWriter(input_ids, max_new_tokens, eos, pad)
@@ -245,7 +247,8 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
             next_pos = next_pos + accept_length + 1
             root = bonus
             if num_draft_tokens is None:
-                # One pseudo-token each way keeps alpha inside (0, 1) after the first few steps.
+                # One pseudo-token each way (Laplace) keeps alpha inside (0, 1): one unlucky first step
+                # does not read as "never accepted", nor a lucky one as "always".
                 alpha = (accepted + 1) / (accepted + rejected + 2)
                 draft_length = choose_draft_length(alpha, draft_time / draft_forwards,
                                                    verify_time / len(stats.draft_lengths), max_draft_tokens)

@@ -95,8 +95,9 @@ def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[l
 class SequenceWriter:
     """The output buffer: appends each row's new tokens, stopping a row after its eos or at max_new_tokens."""
 
-    def __init__(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: list[int], pad: int):
+    def __init__(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int | None):
         device = input_ids.device
+        pad = pad_token_id if pad_token_id is not None else (eos_token_id[0] if eos_token_id else 0)
         batch, self.prompt_length = input_ids.shape
         self.max_new_tokens = max_new_tokens
         self.eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)
@@ -169,18 +170,16 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
     input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
     device = input_ids.device
     batch = input_ids.shape[0]
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id[0] if eos_token_id else 0)
     num_tree_nodes = tree.num_nodes
     lookup = None
     if lookup_tokens:
         prompts = [row[mask].tolist() for row, mask in zip(input_ids, attention_mask)]  # real tokens, no padding
         lookup = PromptLookup(prompts, documents, lookup_tokens)
-    # The tree verify and accept see: the heads' tree, plus the lookup chain off its root.
-    verify_tree = (tree_with_chain(tree, lookup_tokens) if lookup else tree).to(device)
     tree = tree.to(device)
-    writer = SequenceWriter(input_ids, max_new_tokens, eos_token_id or [], pad)
+    chain_trees = {}  # chain length -> the heads' tree plus a lookup chain that long off its root
+    writer = SequenceWriter(input_ids, max_new_tokens, eos_token_id or [], pad_token_id)
     stats = GenerationStats()
-    accepted_at_depth = torch.zeros(verify_tree.max_depth, dtype=torch.long, device=device)
+    accepted_at_depth = torch.zeros(max(tree.max_depth, lookup_tokens), dtype=torch.long, device=device)
     lookup_accepted = torch.zeros((), dtype=torch.long, device=device)
 
     with torch.inference_mode():
@@ -203,10 +202,16 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
             # 2. Propose: the heads read only the last accepted node's hidden state; the lookup chain
             # comes from the host-side n-gram search.
             node_tokens = propose(heads, base_model, root, last_hidden, tree) if tree.num_nodes > 1 else root[:, None]
-            candidates = node_tokens
+            candidates, verify_tree = node_tokens, tree
             if lookup:
                 chain_tokens, has_match = lookup.propose(device)
-                node_tokens, candidates = add_chain(node_tokens, chain_tokens, has_match, num_tree_nodes, verify_tree.depth)
+                chain_length = chain_tokens.shape[1]
+                if chain_length:
+                    if chain_length not in chain_trees:
+                        chain_trees[chain_length] = tree_with_chain(tree, chain_length).to(device)
+                    verify_tree = chain_trees[chain_length]
+                    node_tokens, candidates = add_chain(node_tokens, chain_tokens, has_match, num_tree_nodes,
+                                                        verify_tree.depth)
             # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
             q_pos = next_pos[:, None] + verify_tree.depth
             past_length = slot_valid.shape[1]
@@ -219,7 +224,8 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
             new_tokens = torch.cat([node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
             new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
             active = ~writer.finished
-            accepted_at_depth += (accept_length[:, None] > torch.arange(verify_tree.max_depth, device=device)).masked_fill(
+            accepted_at_depth[: verify_tree.max_depth] += (
+                accept_length[:, None] > torch.arange(verify_tree.max_depth, device=device)).masked_fill(
                 ~active[:, None], False).sum(0)
             if lookup:
                 lookup_accepted += (accept_length * ((last_node >= num_tree_nodes) & active)).sum()
@@ -252,18 +258,30 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
     return writer.output(stats)
 
 
-def generate_with_lookup(base_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
                          top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                         pad_token_id: int | None = None, lookup_tokens: int = 10, documents=None,
+                         pad_token_id: int | None = None, lookup_tokens: int = 10, documents=None, tree=None,
                          streamer=None) -> GenerateOutput:
-    """Prompt-lookup speculation with no heads, through this library's verifier (lossless, like the rest):
-    each step checks a chain of `lookup_tokens` candidates copied from where the text's last n-gram (n = 3
-    down to 1) occurred in the prompt, the generated text or `documents` (token id lists). Arguments as in
-    MedusaModel.generate; `sequences` [B, prompt + new] as transformers' generate."""
+    """Prompt-lookup speculation through this library's verifier, lossless like the rest: each step also
+    checks a chain of `lookup_tokens` candidates copied from where the text's last n-gram (n = 3 down to 1)
+    occurred before in the prompt, the generated text or `documents` (lists of token ids).
+
+    model: a transformers causal LM (lookup alone), or a MedusaModel (its heads' tree plus the chain, one
+    verify pass for both; `tree` as in MedusaModel.generate). Other arguments as in MedusaModel.generate;
+    `sequences` [B, prompt + new] as transformers' generate.
+    """
+    from .model import MedusaModel  # model.py imports this module
+
     if lookup_tokens == 0:
         raise ValueError("generate_with_lookup needs lookup_tokens >= 1 (the lookup chain's length, e.g. 10)")
-    spec = inspect_base_model(base_model)
+    if isinstance(model, MedusaModel):
+        base_model, spec, heads, tree = model.base_model, model.spec, model.heads, model.tree(tree)
+        heads.eval()
+    elif tree is not None:
+        raise ValueError("tree needs Medusa heads: pass a MedusaModel (MedusaModel.from_pretrained(base_model, heads_dir))")
+    else:
+        base_model, spec, heads, tree = model, inspect_base_model(model), None, build_tree([])
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
-    return generate(base_model, spec, None, build_tree([]), input_ids, attention_mask, max_new_tokens,
+    return generate(base_model, spec, heads, tree, input_ids, attention_mask, max_new_tokens,
                     Sampling(do_sample, temperature, top_k, top_p), eos, pad, streamer, lookup_tokens, documents)

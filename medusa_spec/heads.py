@@ -3,7 +3,8 @@
 Two head types share everything but their input:
 - Medusa heads: head k reads only the hidden state h_t and guesses the token at t + k + 2.
 - Dependent heads (Hydra-style): head k also reads the embeddings of the k + 1 tokens between,
-  [h_t, E(x_t+1), ..., E(x_t+k+1)], through its own input layer, so a far guess knows the nearer ones.
+  x = h_t + W_k [E(x_t+1), ..., E(x_t+k+1)] (its own input layer, zero at the start), so a far
+  guess knows the nearer ones.
 
 Optionally the heads score a reduced draft vocabulary (`token_map`: the draft index -> token id of
 the most frequent tokens); verification still uses the full vocabulary, so output is unchanged.
@@ -53,13 +54,13 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"head_type must be one of {', '.join(HEAD_TYPES)}, got {head_type!r}")
         self.dependent = head_type == "dependent"
         if self.dependent:
-            # Head k: [h, k + 1 path embeddings] -> H. Starts as the identity on h (a plain Medusa head).
-            self.inputs = nn.ModuleList(nn.Linear((k + 2) * hidden_size, hidden_size) for k in range(num_heads))
-            with torch.no_grad():
-                for layer in self.inputs:
-                    layer.weight.zero_()
-                    layer.bias.zero_()
-                    layer.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+            # Head k adds a projection of its k + 1 path embeddings to h. It starts at zero (a plain Medusa
+            # head), and h passes through untouched: a layer over [h, path] instead, with fan-in (k + 2) H,
+            # made the far heads' training unstable at the learning rates plain heads use.
+            self.inputs = nn.ModuleList(nn.Linear((k + 1) * hidden_size, hidden_size) for k in range(num_heads))
+            for layer in self.inputs:
+                nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers) for _ in range(num_heads))
         out_size = draft_vocab_size or vocab_size
         # With a shared LM head the heads own no vocabulary matrix; the base's is passed to forward()
@@ -122,8 +123,8 @@ class MedusaHeads(nn.Module):
 
     def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Dependent head k: hidden_states [..., H], path_embeds [..., k + 1, H] -> logits [..., V']."""
-        x = torch.cat([hidden_states, unit_rms(path_embeds).flatten(-2)], dim=-1)
-        return self.project(self.blocks[k](self.inputs[k](x)), base_lm_head, head=k)
+        x = hidden_states + self.inputs[k](unit_rms(path_embeds).flatten(-2))
+        return self.project(self.blocks[k](x), base_lm_head, head=k)
 
     def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """[..., T, H] -> logits [..., T, K, V'].
@@ -140,6 +141,6 @@ class MedusaHeads(nn.Module):
         for _ in range(self.num_heads - 1):
             previous = shifted[-1]
             shifted.append(torch.cat([previous[..., 1:, :], torch.zeros_like(previous[..., :1, :])], dim=-2))
-        states = [self.blocks[k](self.inputs[k](torch.cat([hidden_states, *shifted[: k + 1]], dim=-1)))
+        states = [self.blocks[k](hidden_states + self.inputs[k](torch.cat(shifted[: k + 1], dim=-1)))
                   for k in range(self.num_heads)]
         return self.project(torch.stack(states, dim=-2), base_lm_head)

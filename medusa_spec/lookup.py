@@ -110,17 +110,17 @@ class PromptLookup:
             index.extend(tokens)
 
     def propose(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chain_tokens [B, L], has_match [B]). Positions past a short match repeat its last token and rows
-        with no match repeat their last token: any valid token id is safe, since a chain node is accepted
-        only where it equals the base model's own token; rows with no match are made unreachable anyway."""
-        chains, has_match = [], []
-        for index in self.rows:
-            chain = lookup_chain(index, self.documents, self.chain_length)
-            has_match.append(bool(chain))
-            chain = chain or index.tokens[-1:]
-            chains.append(chain + chain[-1:] * (self.chain_length - len(chain)))
-        return (torch.tensor(chains, dtype=torch.long, device=device),
-                torch.tensor(has_match, dtype=torch.bool, device=device))
+        """(chain_tokens [B, L], has_match [B]), L the longest chain any row found this step (0 when no row
+        has a match: the step then verifies the heads' tree alone, as a chain that no row can use costs a
+        longer verify pass for nothing). A shorter chain repeats its last token and a row with no match
+        repeats its last text token: any valid token id is safe, since a chain node is accepted only where
+        it equals the base model's own token, and a row with no match keeps its chain out of reach."""
+        chains = [lookup_chain(index, self.documents, self.chain_length) for index in self.rows]
+        length = max(len(chain) for chain in chains)
+        padded = [(chain or index.tokens[-1:]) for chain, index in zip(chains, self.rows)]
+        padded = [chain + chain[-1:] * (length - len(chain)) for chain in padded]
+        return (torch.tensor(padded, dtype=torch.long, device=device).view(len(chains), length),
+                torch.tensor([bool(chain) for chain in chains], dtype=torch.bool, device=device))
 
 
 def tree_with_chain(tree: Tree, length: int) -> Tree:
