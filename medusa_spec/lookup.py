@@ -2,9 +2,10 @@
 
 The sources are each row's prompt and generated tokens and any `documents` (token id lists).
 The chain hangs off the root of the Medusa tree (or of a root-only tree: lookup with no heads),
-so one verify pass checks both. The search runs on the host over plain token lists: the
-step's one host sync already brings the new tokens back, and an index from n-gram to position,
-updated with each step's new tokens, makes a search a few dict lookups per row.
+so one verify pass checks both; it is as long as the step's longest match, and absent when no
+row has one. The search runs on the host over plain token lists: the step's one host sync
+already brings the new tokens back, and an index from n-gram to position, updated with each
+step's new tokens, makes a search a few dict lookups per row.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ UNREACHABLE = -1
 
 def check_documents(documents, vocab_size: int) -> list[list[int]]:
     """Documents as token id lists (lists of ints or 1-D integer tensors); raises ValueError naming the fix."""
-    fix = "tokenize them first: documents=[tokenizer(text).input_ids for text in texts]"
+    fix = "tokenize them first: documents=[tokenizer(text, add_special_tokens=False).input_ids for text in texts]"
     if documents is None:
         return []
     if isinstance(documents, (str, bytes)) or not isinstance(documents, (list, tuple)):
@@ -34,9 +35,11 @@ def check_documents(documents, vocab_size: int) -> list[list[int]]:
                 raise ValueError(f"documents[{i}] is a tensor of shape {tuple(document.shape)} and dtype {document.dtype}; "
                                  f"pass a 1-D integer tensor or a list of ints ({fix})")
             document = document.tolist()
-        if isinstance(document, (str, bytes)) or not isinstance(document, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in document):
-            raise ValueError(f"documents[{i}] is not a list of token ids (got {type(document).__name__}); {fix}")
+        if isinstance(document, (str, bytes)) or not isinstance(document, (list, tuple)):
+            raise ValueError(f"documents[{i}] is a {type(document).__name__}, not a list of token ids; {fix}")
+        not_ids = [t for t in document if not isinstance(t, int) or isinstance(t, bool)]
+        if not_ids:
+            raise ValueError(f"documents[{i}] holds {not_ids[0]!r}, not a token id; {fix}")
         bad = [t for t in document if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"documents[{i}] holds token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size}); "
@@ -117,9 +120,8 @@ class PromptLookup:
         it equals the base model's own token, and a row with no match keeps its chain out of reach."""
         chains = [lookup_chain(index, self.documents, self.chain_length) for index in self.rows]
         length = max(len(chain) for chain in chains)
-        padded = [(chain or index.tokens[-1:]) for chain, index in zip(chains, self.rows)]
-        padded = [chain + chain[-1:] * (length - len(chain)) for chain in padded]
-        return (torch.tensor(padded, dtype=torch.long, device=device).view(len(chains), length),
+        padded = [chain + [(chain or index.tokens)[-1]] * (length - len(chain)) for chain, index in zip(chains, self.rows)]
+        return (torch.tensor(padded, dtype=torch.long, device=device),
                 torch.tensor([bool(chain) for chain in chains], dtype=torch.bool, device=device))
 
 

@@ -13,7 +13,7 @@ from . import autotree, formats, io
 from .accept import Sampling
 from .base import inspect_base_model, model_device_dtype
 from .config import MedusaConfig
-from .generate import GenerateOutput, generate
+from .generate import GenerateOutput, generate, special_tokens
 from .heads import MedusaHeads
 from .tree import build_tree, default_tree
 
@@ -98,23 +98,20 @@ class MedusaModel(nn.Module):
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, tree=None,
-                 streamer=None) -> GenerateOutput:
+                 streamer=None, lookup_tokens: int = 0, documents=None) -> GenerateOutput:
         """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
 
         eos_token_id / pad_token_id default to the base model's generation_config (pass
         eos_token_id=[] to never stop early). `tree`: rank paths, or None for the adapter's
-        default; `[]` turns speculation off (one token per step, same loop).
+        default; `[]` turns speculation off (one token per step, same loop). `lookup_tokens` > 0 also
+        verifies a chain of that many candidates copied from an earlier occurrence of the text's last
+        n-gram in the prompt, the output or `documents` (lists of token ids), in the same pass.
         """
         sampling = Sampling(do_sample, temperature, top_k, top_p)
-        gen_config = getattr(self.base_model, "generation_config", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(gen_config, "eos_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = getattr(gen_config, "pad_token_id", None)
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
         self.heads.eval()
         return generate(self.base_model, self.spec, self.heads, self.tree(tree), input_ids, attention_mask,
-                        max_new_tokens, sampling, eos, pad_token_id, streamer)
+                        max_new_tokens, sampling, eos, pad, streamer, lookup_tokens, documents)
 
 
 def _check_token_map(token_map: torch.Tensor, vocab_size: int, source: str) -> None:

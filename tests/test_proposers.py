@@ -236,6 +236,9 @@ def test_medusa_tree_plus_lookup_greedy_identity(arch):
     expected = reference_generate(model, ids, max_new_tokens=40, eos_token_id=None)
     out = generate_with_lookup(medusa(model), ids, max_new_tokens=40, eos_token_id=[], lookup_tokens=5, tree=TREE)
     assert torch.equal(out.sequences, expected)
+    # MedusaModel.generate takes the same lookup arguments and runs the same loop.
+    same = medusa(model).generate(ids, max_new_tokens=40, eos_token_id=[], lookup_tokens=5, tree=TREE)
+    assert torch.equal(same.sequences, expected) and same.stats.lookup_accepted == out.stats.lookup_accepted
 
 
 def test_medusa_and_lookup_proposing_the_same_tokens():
@@ -325,8 +328,8 @@ def test_self_draft_refuses_what_it_cannot_build():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(documents="w5 w6 w7"), "documents must be a list of token id lists.*tokenize them first"),
-    (dict(documents=["w5 w6 w7"]), r"documents\[0\] is not a list of token ids.*tokenize them first"),
-    (dict(documents=[[5, 6.0]]), r"documents\[0\] is not a list of token ids"),
+    (dict(documents=["w5 w6 w7"]), r"documents\[0\] is a str, not a list of token ids.*tokenize them first"),
+    (dict(documents=[[5, 6.0]]), r"documents\[0\] holds 6.0, not a token id"),
     (dict(documents=[torch.ones(2, 3, dtype=torch.long)]), r"documents\[0\] is a tensor of shape \(2, 3\)"),
     (dict(documents=[[5, VOCAB]]), rf"token ids \[{VOCAB}\] outside the model's vocabulary \[0, {VOCAB}\)"),
     (dict(lookup_tokens=-1), "lookup_tokens must be an integer >= 1"),
