@@ -11,7 +11,7 @@ import torch
 from .kv_cache import keep_accepted, new_cache
 from .propose import propose
 from .tree import build_tree, grow_tree
-from .verify import forward_block
+from .verify import forward_block, plain_logits
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
@@ -41,8 +41,9 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     pos = torch.arange(context, device=device)[None]
     valid = torch.ones_like(ids, dtype=torch.bool)
     cache = new_cache()
-    _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
-                              cache, valid, pos, last_only=True)
+    logits, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
+                                   cache, valid, pos, last_only=True)
+    own_logits = plain_logits(base.get_output_embeddings(), logits[:, -1], hidden[:, -1])  # as generate() decides
     latency, head_seconds = {}, {}
     root = ids[:, -1]
     for n in sizes:
@@ -53,7 +54,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         kv_pos = torch.cat([pos, q_pos], dim=1)
 
         def verify():
-            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos)
+            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos, own_logits=own_logits)
             keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
 
         verify()  # warm-up
@@ -75,7 +76,8 @@ def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float | 
         expected = expected_tokens_per_step(choices, rank_accuracy)
         draft = head_seconds.get(n, 0.0) if isinstance(head_seconds, dict) else head_seconds
         step = seconds + (draft if n > 1 else 0.0)
-        table.append({"nodes": n, "expected_tokens_per_step": round(expected, 3), "step_ms": round(1000 * step, 2),
+        table.append({"nodes": n, "expected_tokens_per_step": round(expected, 3), "verify_ms": round(1000 * seconds, 2),
+                      "draft_ms": round(1000 * (step - seconds), 2), "step_ms": round(1000 * step, 2),
                       "expected_tokens_per_second": round(expected / step, 2), "tree": choices})
     best = max(table, key=lambda row: row["expected_tokens_per_second"])
     return best["tree"], table

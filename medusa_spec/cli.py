@@ -76,19 +76,20 @@ def load(args):
     if heads is None:
         print("[no heads given: untrained heads, expect no speed-up]", file=sys.stderr)
     if getattr(args, "tree", None) == "auto":
-        args.tree = _auto_tree(mm)
+        args.tree, args.tree_table = _auto_tree(mm)
     return mm, tokenizer
 
 
 def _auto_tree(mm):
-    """--tree auto: measured on this machine when the heads carry rank accuracies, else the heads' own tree."""
+    """--tree auto: measured on this machine when the heads carry rank accuracies, else the heads' own tree.
+    Returns (tree, the measured table: verify and drafting milliseconds and expected figures per tree size)."""
     if not mm.config.metrics.get("eval", {}).get("rank_accuracy"):
-        return None
+        return None, None
     tree, table = mm.auto_tree()
     best = next(row for row in table if row["tree"] == tree)
     print(f"[tree auto: {best['nodes']} nodes, {best['step_ms']} ms/step, expected {best['expected_tokens_per_step']} "
           f"tokens/step]", file=sys.stderr)
-    return tree
+    return tree, table
 
 
 def _check_proposer_options(args) -> None:
@@ -201,7 +202,7 @@ def run_bench(args) -> int:
     meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(args.heads or default_model.HEADS_DIR),
             "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
             "methods": list(methods), "lookup_tokens": args.lookup, "self_draft_layers": args.self_draft_layers,
-            "draft_model": args.draft_model,
+            "draft_model": args.draft_model, "tree_auto_table": getattr(args, "tree_table", None),
             "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype}
     report = bench.write_report(records, args.out, meta)
     print(bench.markdown(report["summary"]))

@@ -48,17 +48,48 @@ def model_mask(allowed: torch.Tensor, bool_mask: bool, dtype: torch.dtype) -> to
 
 
 def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids, q_pos, block_mask, cache, kv_valid, kv_pos,
-                  last_only: bool = False):
+                  last_only: bool = False, own_logits: bool = False):
     """Run the base model on input_ids [B, N] at positions q_pos [B, N] after the cached slots.
 
     kv_valid / kv_pos [B, S + N] describe the cached slots followed by the new ones.
     Returns (logits [B, N or 1, V], hidden [B, N, H]) where hidden is the final hidden state
     after the model's last norm; the new keys and values are appended to `cache`.
+    own_logits: the model's logits are a plain projection of that state (see plain_logits), so
+    project several rows here with project_logits instead of inside the model.
     """
     dtype = base_model.get_output_embeddings().weight.dtype
     mask = attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype)
-    extra = {"logits_to_keep": 1} if last_only and spec.takes_logits_to_keep else {}
+    extra = {}
+    if spec.takes_logits_to_keep:
+        if last_only:
+            extra = {"logits_to_keep": 1}
+        elif own_logits and input_ids.numel() > 1:
+            extra = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=input_ids.device)}  # no rows
     out = base_model(input_ids=input_ids, attention_mask=mask, position_ids=q_pos, cache=cache, use_cache=True,
                      output_hidden_states=True, return_dict=True, **extra)
-    logits = out.logits[:, -1:] if last_only else out.logits
-    return logits, out.hidden_states[-1]
+    hidden = out.hidden_states[-1]
+    if last_only:
+        return out.logits[:, -1:], hidden
+    if out.logits.shape[1] != hidden.shape[1]:
+        return project_logits(base_model.get_output_embeddings(), hidden), hidden
+    return out.logits, hidden
+
+
+def project_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [..., H] -> logits [..., V] as W h computed column-wise, mm(W, h^T). On CPU, BLAS runs
+    x W^T (nn.Linear) on 2-8 rows as a general matmul about twice as slow as the 1-row product,
+    while W h^T stays near the one-row cost: the vocabulary projection of a tree of nodes then
+    costs about what one token's does. (The sums are the same up to fp32 rounding order, as
+    between any two matmul kernels.)"""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    logits = torch.mm(lm_head.weight, rows.t()).t()
+    if getattr(lm_head, "bias", None) is not None:
+        logits = logits + lm_head.bias
+    return logits.reshape(*hidden.shape[:-1], -1)
+
+
+def plain_logits(lm_head: nn.Module, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
+    """Whether the model's `logits` [B, V] are its LM head applied to `hidden` [B, H] and nothing else
+    (no soft-capping, scaling, ...), measured on one prefill: then project_logits may stand in for it."""
+    own = nn.functional.linear(hidden, lm_head.weight, getattr(lm_head, "bias", None))
+    return own.shape == logits.shape and torch.allclose(own.float(), logits.float(), rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from medusa_spec.base import inspect_base_model
 from medusa_spec.kv_cache import keep_accepted, new_cache
 from medusa_spec.tree import build_tree
-from medusa_spec.verify import forward_block
+from medusa_spec.verify import forward_block, plain_logits
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
@@ -21,12 +21,25 @@ def prefill_and_verify(model, tree, prompts, attention_mask, node_tokens):
     valid = attention_mask.bool()
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     causal = torch.ones(prompts.shape[1], prompts.shape[1], dtype=torch.bool).tril()
-    forward_block(model, spec, prompts, pos, causal, cache, valid, pos, last_only=True)
+    last_logits, hidden = forward_block(model, spec, prompts, pos, causal, cache, valid, pos, last_only=True)
+    # As generate() does: project the tree's logits itself where the model's are a plain projection.
+    own_logits = plain_logits(model.get_output_embeddings(), last_logits[:, -1], hidden[:, -1])
     q_pos = pos[:, -1:] + 1 + tree.depth
     logits, _ = forward_block(model, spec, node_tokens, q_pos, tree.tree_mask, cache,
                               torch.cat([valid, torch.ones_like(node_tokens, dtype=torch.bool)], 1),
-                              torch.cat([pos, q_pos], 1))
+                              torch.cat([pos, q_pos], 1), own_logits=own_logits)
     return logits, cache
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_own_projection_only_where_the_model_projects_plainly(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        plain = plain_logits(model.get_output_embeddings(), out.logits[:, -1], out.hidden_states[-1][:, -1])
+    # Gemma 3 soft-caps its logits: its own LM head output must be used there.
+    assert plain == (arch != "gemma3")
 
 
 def make_inputs(tree, seed):
