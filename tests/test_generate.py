@@ -40,6 +40,17 @@ class OracleHeads(nn.Module):
         return logits
 
 
+def left_padded(rows):
+    """Token rows of different lengths -> (input_ids, attention_mask), left-padded with 0."""
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):] = row
+        mask[b, width - len(row):] = 1
+    return ids, mask
+
+
 def reference_generate(model, input_ids, attention_mask=None, **kwargs):
     with torch.no_grad():
         return model.generate(input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
@@ -89,12 +100,8 @@ def test_mixed_length_batch_equals_per_row_generation(arch):
     model = tiny_model(arch)
     lengths = [2 * WINDOW + 3, 4, WINDOW + 1]
     rows = [prompt(n, seed=10 + i)[0] for i, n in enumerate(lengths)]
-    width = max(lengths)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):  # left padding
-        ids[b, width - len(row):] = row
-        mask[b, width - len(row):] = 1
+    ids, mask = left_padded(rows)
+    width = ids.shape[1]
     per_row = [reference_generate(model, r[None], max_new_tokens=25, eos_token_id=None)[0, len(r):] for r in rows]
     full_rows = [torch.cat([r, new]) for r, new in zip(rows, per_row)]
     mm = medusa(model, OracleHeads(model, full_rows))

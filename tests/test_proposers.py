@@ -16,7 +16,7 @@ from medusa_spec.draft import choose_draft_length, expected_tokens
 from medusa_spec.lookup import UNREACHABLE, NgramIndex, PromptLookup, add_chain, lookup_chain, tree_with_chain
 from medusa_spec.tree import build_tree
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
-from test_generate import TREE, OracleHeads, medusa, prompt, reference_generate
+from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
 from test_sampling import SETTINGS, chi_square_p_value, exact_joint
 from tiny_models import VOCAB, tiny_model
 
@@ -72,12 +72,8 @@ def test_draft_batch_of_mixed_lengths_with_eos_equals_per_row_generation():
     model, draft = tiny_model("llama"), self_draft(tiny_model("llama"), 1)
     lengths = [13, 4, 7]
     rows = [prompt(n, seed=20 + i)[0] for i, n in enumerate(lengths)]
-    width = max(lengths)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):  # left padding
-        ids[b, width - len(row):] = row
-        mask[b, width - len(row):] = 1
+    ids, mask = left_padded(rows)
+    width = ids.shape[1]
     free = reference_generate(model, rows[1][None], max_new_tokens=25, eos_token_id=None)[0, len(rows[1]):]
     eos = int(free[9])  # stops row 1 early; the other rows may or may not meet it
     out = generate_with_draft(model, draft, ids, attention_mask=mask, max_new_tokens=25, eos_token_id=eos,
