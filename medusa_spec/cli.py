@@ -99,6 +99,8 @@ def _check_proposer_options(args) -> None:
         raise ValueError("--draft-model and --self-draft-layers each choose a draft model; give one of them")
     if uses_draft and args.lookup:
         raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a draft model: drop one")
+    if args.lookup is None:  # on by default with the heads: lossless, and it wins wherever text repeats
+        args.lookup = 0 if uses_draft else bench.LOOKUP_TOKENS
     if args.documents and not args.lookup:
         raise ValueError("--documents are searched by prompt lookup: add --lookup N (e.g. --lookup 10)")
     if args.draft_tokens is not None and not uses_draft:
@@ -230,6 +232,12 @@ def _add_generation_options(parser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
 
 
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return int(text)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -238,9 +246,10 @@ def _positive_int(text: str) -> int:
 
 
 def _add_proposer_options(parser) -> None:
-    parser.add_argument("--lookup", type=_positive_int, default=0, metavar="N",
-                        help="also verify a chain of N prompt-lookup candidates (copied from the prompt, the output "
-                             "and --documents) in the same pass as the heads' tree")
+    parser.add_argument("--lookup", type=_non_negative_int, default=None, metavar="N",
+                        help="also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the "
+                             f"output and --documents) in the same pass as the heads' tree (default {bench.LOOKUP_TOKENS}; "
+                             "0 turns it off)")
     parser.add_argument("--documents", nargs="+", default=None, metavar="FILE",
                         help="text files whose tokens prompt lookup also searches (with --lookup)")
     parser.add_argument("--draft-model", default=None, metavar="DIR",

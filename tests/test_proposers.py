@@ -353,7 +353,7 @@ def test_generate_with_other_proposers(model_dir, tmp_path, capsys, options):  #
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--documents", "x.txt"], "--documents are searched by prompt lookup: add --lookup N"),
+    (["--documents", "x.txt", "--lookup", "0"], "--documents are searched by prompt lookup: add --lookup N"),
     (["--lookup", "4", "--self-draft-layers", "1"], "does not combine with a draft model"),
     (["--draft-model", "d", "--self-draft-layers", "1"], "give one of them"),
     (["--draft-tokens", "3"], "add --draft-model DIR or --self-draft-layers N"),
