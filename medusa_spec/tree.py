@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 
@@ -46,7 +47,7 @@ class Tree:
         """How many candidates per head the tree reads (0 for a root-only tree)."""
         return max((path[-1] for path in self.choices), default=-1) + 1
 
-    @property
+    @cached_property  # read every decoding step by dependent heads' drafting: computed once per tree
     def level_bounds(self) -> list[tuple[int, int]]:
         """[(start, end)] node index range of each depth 0..D (nodes are ordered by depth)."""
         counts = [1] + [0] * self.max_depth
