@@ -129,6 +129,10 @@ def generate(args) -> int:
     options = dict(max_new_tokens=args.max_new_tokens, streamer=TextStreamer(tokenizer, skip_prompt=True,
                                                                              skip_special_tokens=True),
                    **_sampling_kwargs(args))
+    if args.compare:  # first calls pay one-off costs (allocations, kernel choice): warm both up, as bench does
+        with torch.inference_mode():
+            base.generate(ids.to(args.device), max_new_tokens=2, do_sample=False)
+        mm.generate(ids, max_new_tokens=4, tree=args.tree)
     draft = self_draft(base, args.self_draft_layers) if args.self_draft_layers is not None else load_draft_model(args)
     if draft is not None:
         out = generate_with_draft(base, draft, ids, num_draft_tokens=args.draft_tokens,
