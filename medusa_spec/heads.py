@@ -123,8 +123,11 @@ class MedusaHeads(nn.Module):
 
     def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Dependent head k: hidden_states [..., H], path_embeds [..., k + 1, H] -> logits [..., V']."""
-        x = hidden_states + self.inputs[k](unit_rms(path_embeds).flatten(-2))
-        return self.project(self.blocks[k](x), base_lm_head, head=k)
+        return self.project(self._dependent_state(k, hidden_states, unit_rms(path_embeds).flatten(-2)), base_lm_head, head=k)
+
+    def _dependent_state(self, k: int, hidden_states: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Dependent head k's state before projection; path [..., (k + 1) H]: unit-RMS path embeddings, concatenated."""
+        return self.blocks[k](hidden_states + self.inputs[k](path))
 
     def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """[..., T, H] -> logits [..., T, K, V'].
@@ -141,6 +144,6 @@ class MedusaHeads(nn.Module):
         for _ in range(self.num_heads - 1):
             previous = shifted[-1]
             shifted.append(torch.cat([previous[..., 1:, :], torch.zeros_like(previous[..., :1, :])], dim=-2))
-        states = [self.blocks[k](hidden_states + self.inputs[k](torch.cat(shifted[: k + 1], dim=-1)))
+        states = [self._dependent_state(k, hidden_states, torch.cat(shifted[: k + 1], dim=-1))
                   for k in range(self.num_heads)]
         return self.project(torch.stack(states, dim=-2), base_lm_head)
