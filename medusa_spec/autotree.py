@@ -11,7 +11,7 @@ import torch
 from .kv_cache import keep_accepted, new_cache
 from .propose import propose
 from .tree import build_tree, grow_tree
-from .verify import forward_block, plain_logits
+from .verify import forward_block
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
@@ -43,9 +43,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     pos = torch.arange(context, device=device)[None]
     valid = torch.ones_like(ids, dtype=torch.bool)
     cache = new_cache()
-    logits, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
-                                   cache, valid, pos, last_only=True)
-    own_logits = plain_logits(base.get_output_embeddings(), logits[:, -1], hidden[:, -1])  # as generate() decides
+    _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
+                              cache, valid, pos, last_only=True)
     latency, head_seconds = {}, {}
     root = ids[:, -1]
     for n in sizes:
@@ -56,7 +55,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         kv_pos = torch.cat([pos, q_pos], dim=1)
 
         def verify():
-            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos, own_logits=own_logits)
+            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos)
             keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
 
         verify()  # warm-up

@@ -22,7 +22,7 @@ from .base import inspect_base_model, model_device_dtype
 from .generate import GenerateOutput, GenerationStats, SequenceWriter, prefill, prepare_inputs, special_tokens, stream
 from .kv_cache import keep_accepted, new_cache
 from .tree import build_tree
-from .verify import forward_block, plain_logits
+from .verify import forward_block
 
 # Families whose decoder is `model.layers` (a ModuleList) between embeddings and a final norm, checked by tests.
 SELF_DRAFT_FAMILIES = ("llama", "qwen2", "gemma")
@@ -154,7 +154,6 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
         # 1. Prefill both models; the base model's last logits give the first token (the first root).
         cache, draft_cache = new_cache(), new_cache()
         logits, last_hidden, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
-        own_logits = plain_logits(base_model.get_output_embeddings(), logits[:, -1], last_hidden)
         _, _, draft_valid, draft_pos = prefill(draft_model, draft_spec, input_ids, attention_mask, draft_cache)
         root = draw_targets(logits, sampling)[:, -1]
         next_pos = slot_pos[:, -1] + 1
@@ -207,7 +206,7 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
             past_length = slot_valid.shape[1]
             kv_valid = torch.cat([slot_valid, torch.ones_like(node_tokens, dtype=torch.bool)], dim=1)
             logits, _ = forward_block(base_model, spec, node_tokens, q_pos, chain.tree_mask, cache, kv_valid,
-                                      torch.cat([slot_pos, q_pos], dim=1), own_logits=own_logits)
+                                      torch.cat([slot_pos, q_pos], dim=1))
             # 4. Accept: keep x_i with probability min(1, p_i/q_i); the bonus comes from the residual or p_K.
             accept_length, bonus = accept_draft(draft_tokens, torch.stack(draft_probs, dim=1) if draft_probs else None,
                                                 logits, sampling)

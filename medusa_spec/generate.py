@@ -18,7 +18,7 @@ from .kv_cache import check_cache, keep_accepted, new_cache
 from .lookup import PromptLookup, add_chain, check_documents, check_lookup_tokens, tree_with_chain
 from .propose import propose
 from .tree import Tree, build_tree
-from .verify import forward_block, plain_logits
+from .verify import forward_block
 
 
 @dataclass
@@ -188,7 +188,6 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
         cache = new_cache()
         logits, last_hidden, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
-        own_logits = plain_logits(base_model.get_output_embeddings(), logits[:, -1], last_hidden)
         root = draw_targets(logits, sampling)[:, -1]
         next_pos = slot_pos[:, -1] + 1
         count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
@@ -218,7 +217,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
             past_length = slot_valid.shape[1]
             kv_valid = torch.cat([slot_valid, torch.ones_like(node_tokens, dtype=torch.bool)], dim=1)
             logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, verify_tree.tree_mask, cache, kv_valid,
-                                           torch.cat([slot_pos, q_pos], dim=1), own_logits=own_logits)
+                                           torch.cat([slot_pos, q_pos], dim=1))
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
             last_node, accept_length, bonus = accept(candidates, logits, verify_tree, sampling)
             path = verify_tree.node_paths[last_node]  # [B, D+1]: root, accepted nodes, then repeats
