@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from .columnwise import columnwise_linears
 from .kv_cache import keep_accepted, new_cache
 from .propose import propose
 from .tree import build_tree, grow_tree
@@ -37,32 +38,33 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of drafting n nodes with
     the heads (one call for Medusa heads, one per level for dependent heads), for each n in sizes.
     The verified slots are dropped again after each pass."""
-    base, spec = mm.base_model, mm.spec
-    device = base.get_output_embeddings().weight.device
-    ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
-    pos = torch.arange(context, device=device)[None]
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    cache = new_cache()
-    _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
-                              cache, valid, pos, last_only=True)
-    latency, head_seconds = {}, {}
-    root = ids[:, -1]
-    for n in sizes:
-        tree = build_tree(grow_tree([[0.5] * n] * mm.config.num_heads, n)).to(device)
-        tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
-        q_pos = context + tree.depth[None]
-        kv_valid = torch.ones(1, context + tree.num_nodes, dtype=torch.bool, device=device)
-        kv_pos = torch.cat([pos, q_pos], dim=1)
+    with columnwise_linears(mm.base_model, mm.heads):  # as the decoding loop runs (see columnwise)
+        base, spec = mm.base_model, mm.spec
+        device = base.get_output_embeddings().weight.device
+        ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
+        pos = torch.arange(context, device=device)[None]
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        cache = new_cache()
+        _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
+                                  cache, valid, pos, last_only=True)
+        latency, head_seconds = {}, {}
+        root = ids[:, -1]
+        for n in sizes:
+            tree = build_tree(grow_tree([[0.5] * n] * mm.config.num_heads, n)).to(device)
+            tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
+            q_pos = context + tree.depth[None]
+            kv_valid = torch.ones(1, context + tree.num_nodes, dtype=torch.bool, device=device)
+            kv_pos = torch.cat([pos, q_pos], dim=1)
 
-        def verify():
-            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos)
-            keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
+            def verify():
+                forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos)
+                keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
 
-        verify()  # warm-up
-        latency[tree.num_nodes] = _fastest_seconds(verify, repeats)
-        head_seconds[tree.num_nodes] = 0.0 if n == 1 else _fastest_seconds(
-            lambda: propose(mm.heads, base, root, hidden[:, -1], tree), repeats)
-    return latency, head_seconds
+            verify()  # warm-up
+            latency[tree.num_nodes] = _fastest_seconds(verify, repeats)
+            head_seconds[tree.num_nodes] = 0.0 if n == 1 else _fastest_seconds(
+                lambda: propose(mm.heads, base, root, hidden[:, -1], tree), repeats)
+        return latency, head_seconds
 
 
 def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float | dict[int, float]) -> tuple[list[list[int]], list[dict]]:

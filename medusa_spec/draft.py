@@ -19,6 +19,7 @@ from torch import nn
 
 from .accept import Sampling, accept_draft, draw_targets, processed_probs
 from .base import inspect_base_model, model_device_dtype
+from .columnwise import columnwise_linears
 from .generate import GenerateOutput, GenerationStats, SequenceWriter, prefill, prepare_inputs, special_tokens, stream
 from .kv_cache import keep_accepted, new_cache
 from .tree import build_tree
@@ -148,7 +149,7 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
     draft_time = draft_forwards = verify_time = 0.0
     draft_length = num_draft_tokens or min(FIRST_DRAFT_LENGTH, max_draft_tokens)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), columnwise_linears(base_model, draft_model):  # a chain's few rows (see columnwise)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill both models; the base model's last logits give the first token (the first root).

@@ -14,6 +14,7 @@ from torch import nn
 
 from .accept import Sampling, accept, draw_targets
 from .base import BaseSpec, inspect_base_model, model_device_dtype
+from .columnwise import columnwise_linears
 from .kv_cache import check_cache, keep_accepted, new_cache
 from .lookup import PromptLookup, add_chain, check_documents, check_lookup_tokens, tree_with_chain
 from .propose import propose
@@ -182,7 +183,8 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
     accepted_at_depth = torch.zeros(max(tree.max_depth, lookup_tokens), dtype=torch.long, device=device)
     lookup_accepted = torch.zeros((), dtype=torch.long, device=device)
 
-    with torch.inference_mode():
+    # The tree's and the heads' few rows run column-wise on CPU (see columnwise).
+    with torch.inference_mode(), columnwise_linears(base_model, *([heads] if heads is not None else [])):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .columnwise import linear
 from .config import HEAD_TYPES
 
 
@@ -119,7 +120,7 @@ class MedusaHeads(nn.Module):
             return base_lm_head(states)  # one matmul for all heads: the big matrix is read once
         if self.draft_lm_weight is None:
             raise RuntimeError("heads with a token map and a shared LM head need bind_lm_head(base_lm_head) first")
-        return nn.functional.linear(states, self.draft_lm_weight)
+        return linear(states, self.draft_lm_weight)
 
     def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Dependent head k: hidden_states [..., H], path_embeds [..., k + 1, H] -> logits [..., V']."""

@@ -1,16 +1,15 @@
 """One verify pass over a tree equals sequential decoding, and compaction leaves the cache a
 sequential run would have, on every architecture claimed (sliding-window ones past the window)."""
 
-from functools import partial
-
 import pytest
 import torch
 from transformers import DynamicCache
 
 from medusa_spec.base import inspect_base_model
+from medusa_spec.columnwise import columnwise_linears
 from medusa_spec.kv_cache import keep_accepted, new_cache
 from medusa_spec.tree import build_tree
-from medusa_spec.verify import COLUMNWISE_MAX_ROWS, columnwise_linears, forward_block
+from medusa_spec.verify import forward_block
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
@@ -18,54 +17,19 @@ PROMPT, PAD = 3 * WINDOW, 4  # row 1 is left-padded by PAD
 
 
 def prefill_and_verify(model, tree, prompts, attention_mask, node_tokens):
-    spec = inspect_base_model(model)
-    cache = new_cache()
-    valid = attention_mask.bool()
-    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    causal = torch.ones(prompts.shape[1], prompts.shape[1], dtype=torch.bool).tril()
-    forward_block(model, spec, prompts, pos, causal, cache, valid, pos, last_only=True)
-    q_pos = pos[:, -1:] + 1 + tree.depth
-    logits, _ = forward_block(model, spec, node_tokens, q_pos, tree.tree_mask, cache,
-                              torch.cat([valid, torch.ones_like(node_tokens, dtype=torch.bool)], 1),
-                              torch.cat([pos, q_pos], 1))
-    return logits, cache
-
-
-def test_columnwise_linears_match_nn_linear_and_are_restored():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
-    hooked = model[1]
-    hooked.forward = hooked.forward  # an instance forward of its own, as accelerate's offload hooks set
-    x = torch.randn(2, 3, 16)
-    expected = model(x)
-    with columnwise_linears(model, rows=6):
-        assert isinstance(vars(model[0])["forward"], partial)
-        assert vars(hooked)["forward"] == hooked.forward and not isinstance(vars(hooked)["forward"], partial)
-        torch.testing.assert_close(model(x), expected)
-    assert "forward" not in vars(model[0])
-    with columnwise_linears(model, rows=1), columnwise_linears(model, rows=COLUMNWISE_MAX_ROWS + 1):
-        assert "forward" not in vars(model[0])  # one row and long prefills keep nn.Linear's kernel
-    with pytest.raises(RuntimeError, match="boom"), columnwise_linears(model, rows=6):
-        raise RuntimeError("boom")
-    assert "forward" not in vars(model[0])  # restored on an error too
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_tree_blocks_run_columnwise(arch):
-    """Blocks of a few rows really take the column-wise path, in every plain Linear (the LM head too)."""
-    model = tiny_model(arch)
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    switched = []
-    hooks = [m.register_forward_hook(lambda m, i, o: switched.append(isinstance(vars(m).get("forward"), partial)))
-             for m in linears]
-    tree = build_tree(CHOICES)
-    prompts, attention_mask, node_tokens = make_inputs(tree, seed=0)
-    with torch.no_grad():
-        prefill_and_verify(model, tree, prompts, attention_mask, node_tokens)
-    for hook in hooks:
-        hook.remove()
-    assert len(switched) >= 2 * len(linears) and all(switched)  # prefill (2 x 15 rows) and tree (2 x 9 rows)
-    assert all("forward" not in vars(m) for m in linears)
+    """Prefill, then one tree pass, as the decoding loop runs them (column-wise linears included)."""
+    with columnwise_linears(model):
+        spec = inspect_base_model(model)
+        cache = new_cache()
+        valid = attention_mask.bool()
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones(prompts.shape[1], prompts.shape[1], dtype=torch.bool).tril()
+        forward_block(model, spec, prompts, pos, causal, cache, valid, pos, last_only=True)
+        q_pos = pos[:, -1:] + 1 + tree.depth
+        logits, _ = forward_block(model, spec, node_tokens, q_pos, tree.tree_mask, cache,
+                                  torch.cat([valid, torch.ones_like(node_tokens, dtype=torch.bool)], 1),
+                                  torch.cat([pos, q_pos], 1))
+        return logits, cache
 
 
 def make_inputs(tree, seed):
