@@ -34,16 +34,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @contextmanager
-def columnwise_linears(*modules: nn.Module):
-    """Within the block, every plain nn.Linear in `modules` computes through `linear` above. The
-    decoding loops hold this over a whole generate call (switching ~200 layers costs about 3 ms, too
-    much per step); a one-row step then still runs nn.Linear's kernel, through `linear`.
+def columnwise_linears(*modules: nn.Module | None):
+    """Within the block, every plain nn.Linear in `modules` (None entries skipped) computes through
+    `linear`. The decoding loops hold this over a whole generate call (switching ~200 layers costs
+    about 3 ms, too much per step); a one-row step then still runs nn.Linear's kernel, through `linear`.
 
     Subclasses are left alone (quantised layers; LoRA wrappers call a plain base layer, which is
     switched), as are layers that already carry a forward of their own (accelerate's offload hooks);
     each switched layer gets its class forward back on exit, errors included.
     """
-    linears = {id(m): m for module in modules for m in module.modules()
+    linears = {id(m): m for module in modules if module is not None for m in module.modules()
                if type(m) is nn.Linear and "forward" not in vars(m)}.values()  # a shared layer once
     for layer in linears:
         layer.forward = partial(linear, weight=layer.weight, bias=layer.bias)

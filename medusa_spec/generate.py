@@ -184,7 +184,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
     lookup_accepted = torch.zeros((), dtype=torch.long, device=device)
 
     # The tree's and the heads' few rows run column-wise on CPU (see columnwise).
-    with torch.inference_mode(), columnwise_linears(base_model, *([heads] if heads is not None else [])):
+    with torch.inference_mode(), columnwise_linears(base_model, heads):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
