@@ -171,6 +171,30 @@ def test_kl_to_teacher_is_zero_only_for_the_same_distribution():
     assert kl_to_teacher(logits, torch.randn(2, 6, 11, generator=g), mask, segments).item() > 0.1
 
 
+def test_soft_targets_reduce_to_the_token_loss_for_a_certain_teacher_and_are_met_by_its_distribution():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 12, (2, 10), generator=g)
+    mask, segments = torch.ones_like(ids, dtype=torch.bool), torch.ones_like(ids)
+    head_logits = torch.randn(2, 10, 3, 12, generator=g)
+    # A teacher sure of the data's next token (its logits at t - 1 name token t): the token loss exactly.
+    certain = 1e4 * torch.nn.functional.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], dim=1), 12).float()
+    soft, soft_per_head = heads_loss(head_logits, ids, mask, segments, 0.8, teacher_logits=certain)
+    hard, hard_per_head = heads_loss(head_logits, ids, mask, segments, 0.8)
+    assert torch.allclose(soft, hard) and torch.allclose(soft_per_head, hard_per_head)
+    # An unsure teacher: head k's loss is smallest, its entropy, when head k at t says what the teacher
+    # says at t + k + 1, and larger for the neighbouring offsets.
+    teacher = torch.randn(2, 10, 12, generator=g)
+    entropy = -(teacher.softmax(-1) * teacher.log_softmax(-1)).sum(-1)
+    for ahead in (k + 1 for k in range(3)):
+        copied = torch.zeros(2, 10, 3, 12)
+        for k in range(3):
+            copied[:, : 10 - ahead, k] = teacher[:, ahead:]
+        _, per_head = heads_loss(copied, ids, mask, segments, 0.8, teacher_logits=teacher)
+        k = ahead - 1
+        assert torch.allclose(per_head[k], entropy[:, k + 1: 10 - 1].mean(), atol=1e-5)
+        assert all(per_head[j] > entropy.mean() + 0.1 for j in range(3) if j != k)
+
+
 def test_rank_hits_compare_with_the_base_greedy_token_at_that_offset():
     base_logits = torch.zeros(1, 6, 9)
     base_logits[0, torch.arange(6), torch.tensor([3, 5, 7, 2, 4, 6])] = 1.0  # greedy token for positions 1..6
@@ -395,6 +419,32 @@ def test_resume_after_a_kill_reaches_the_weights_of_an_uninterrupted_run(mode, b
     if mode == "medusa2":
         straight, killed = (load_file(tmp_path / d / "lora" / "adapter_model.safetensors") for d in ("straight", "killed"))
         assert all(torch.equal(straight[k], killed[k]) for k in straight)
+
+
+def test_teacher_targets_learn_the_base_from_answers_it_did_not_write(base_dir, tmp_path):
+    """Answers of random words: their tokens say nothing about what comes next, but the counting base,
+    reading them, still says the word after the last one, and dependent heads that read the path can
+    learn that from its distributions."""
+    rng = torch.Generator().manual_seed(4)
+    lines = []
+    for i in range(48):
+        words = " ".join(f"w{w}" for w in torch.randint(0, WORDS, (ANSWER,), generator=rng).tolist())
+        lines.append(json.dumps({"id": f"r{i}", "messages": [ask(i % WORDS), {"role": "assistant", "content": words}]}))
+    data = tmp_path / "random.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    prompt = torch.tensor([tokenizer.apply_chat_template([ask(7)], add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)])
+    expected = base_model.generate(prompt, max_new_tokens=ANSWER, do_sample=False)
+    tokens_per_step = {}
+    for target in ("tokens", "teacher"):
+        train(small_run(base_dir, data, tmp_path / target, head_type="dependent", heads_target=target, max_steps=100))
+        medusa = MedusaModel.from_pretrained(base_model, tmp_path / target)
+        out = medusa.generate(prompt, max_new_tokens=ANSWER, tree=[[0], [0, 0], [0, 0, 0]])
+        assert torch.equal(out.sequences, expected)
+        tokens_per_step[target] = out.stats.tokens_per_step
+    # On the base's own answers: heads taught the data's random words guess about 1 in 32.
+    assert tokens_per_step["teacher"] > 2 and tokens_per_step["tokens"] < 1.5, tokens_per_step
 
 
 def test_cached_hidden_states_run_the_base_once_per_row_and_train_the_same(base_dir, conversations, tmp_path):

@@ -53,6 +53,10 @@ class TrainConfig:
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
                                      "(a token map saved with them); default: the full vocabulary")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")
+    heads_target: str = option("tokens", "what the heads learn at each position: tokens, the data's token "
+                               "(cross-entropy); teacher, the base model's whole next-token distribution there "
+                               "(soft targets from its own logits: more signal per position, and right for data "
+                               "the base did not write)", choices=("tokens", "teacher"))
     max_length: int = option(1024, "tokens per row; longer conversations are truncated")
     pack: bool = option(True, "pack several conversations per row (else one per row, padded)")
     batch_size: int = option(8, "rows per micro-batch and process")
@@ -100,6 +104,7 @@ class Outputs(NamedTuple):  # a NamedTuple: DDP finds the tensors in it
     hidden: torch.Tensor                 # [B, T, H], the base's final hidden state
     base_logits: torch.Tensor | None     # [B, T, V], when asked for
     teacher_logits: torch.Tensor | None  # [B, T, V] with the LoRA adapter disabled, when asked for
+    head_targets: torch.Tensor | None    # [B, T, V'] the base's logits over the heads' vocabulary, when asked for
 
 
 def attention_mask(segment_ids: torch.Tensor, bool_mask: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -124,11 +129,12 @@ class TrainModule(nn.Module):
         self.takes_logits_to_keep = takes_logits_to_keep
 
     def forward(self, input_ids, position_ids, segment_ids, hidden=None, base_logits=False, teacher_logits=False,
-                train_base=False, greedy_paths=False) -> Outputs:
+                train_base=False, greedy_paths=False, head_targets=False) -> Outputs:
         """hidden: cached final hidden states (then the base does not run; base_logits must be False).
         train_base: let gradients reach the base (the LoRA weights); else the heads read a detached state.
         Dependent heads read the data's next tokens as their path (teacher forcing), or with
-        greedy_paths (needs base_logits) the base model's own greedy tokens, as at decoding time."""
+        greedy_paths (needs base_logits) the base model's own greedy tokens, as at decoding time.
+        head_targets: also the base's logits over the heads' vocabulary (their soft targets)."""
         lm_head = self.base_model.get_output_embeddings()
         mask = attention_mask(segment_ids, self.bool_mask, lm_head.weight.dtype)
         inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids, "use_cache": False}
@@ -148,7 +154,21 @@ class TrainModule(nn.Module):
             next_ids = logits.argmax(-1) if greedy_paths else torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
             next_embeds = self.base_model.get_input_embeddings()(next_ids).detach().to(hidden.dtype)
         head_logits = self.heads(hidden if train_base else hidden.detach(), lm_head, next_embeds)
-        return Outputs(head_logits, hidden, logits, teacher)
+        targets = self.base_logits_for_heads(hidden.detach()) if head_targets else None
+        return Outputs(head_logits, hidden, logits, teacher, targets)
+
+    @torch.no_grad()
+    def base_logits_for_heads(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base's next-token logits from its final hidden states [..., H], over the heads' vocabulary
+        (only the token map's rows of the LM head when the vocabulary is reduced)."""
+        lm_head = self.base_model.get_output_embeddings()
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if self.heads.token_map is not None:
+            rows = self.heads.token_map.to(weight.device)
+            weight, bias = weight[rows], None if bias is None else bias[rows]
+        logits = nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+        cap = getattr(self.base_model.config, "final_logit_softcapping", None)  # Gemma 2 style
+        return logits if not cap else cap * torch.tanh(logits / cap)
 
 
 def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -287,7 +307,7 @@ def train(cfg: TrainConfig) -> dict:
                 out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"],
                              hidden=None if hidden is None else hidden.to(accelerator.device),
                              base_logits=not heads_only, teacher_logits=not heads_only and cfg.base_loss == "kl",
-                             train_base=not heads_only)
+                             train_base=not heads_only, head_targets=cfg.heads_target == "teacher")
                 if cache is not None and hidden is None:
                     cache.put(rows, out.hidden)
                 loss, head_ce = combined_loss(out, batch, cfg, heads_only, draft_targets)
@@ -336,7 +356,7 @@ def combined_loss(out: Outputs, batch: dict, cfg: TrainConfig, heads_only: bool,
     Returns (loss, per-head CE [K] for logging)."""
     ids, mask, segments = batch["input_ids"], batch["loss_mask"], batch["segment_ids"]
     targets = None if draft_targets is None else draft_targets[ids]
-    loss, head_ce = heads_loss(out.head_logits, ids, mask, segments, cfg.head_decay, targets)
+    loss, head_ce = heads_loss(out.head_logits, ids, mask, segments, cfg.head_decay, targets, out.head_targets)
     if heads_only:
         return loss, head_ce
     if cfg.base_loss == "kl":

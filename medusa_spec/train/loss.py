@@ -34,12 +34,30 @@ def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, loss_ma
     return _masked_mean(ce.view(input_ids.shape[0], -1), mask)
 
 
+def shifted_soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor, loss_mask: torch.Tensor,
+                               segment_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """Mean CE of logits at t against the teacher's distribution of token t + shift, which its logits
+    at t + shift - 1 give, over the valid targets (the soft-target twin of shifted_cross_entropy)."""
+    if logits.shape[1] <= shift:
+        return logits.sum() * 0.0
+    teacher = F.softmax(teacher_logits[:, shift - 1: -1].float(), dim=-1)
+    ce = -(teacher * F.log_softmax(logits[:, :-shift].float(), dim=-1)).sum(-1)
+    return _masked_mean(ce, target_mask(loss_mask, segment_ids, shift))
+
+
 def heads_loss(head_logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, segment_ids: torch.Tensor,
-               decay: float, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               decay: float, targets: torch.Tensor | None = None,
+               teacher_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k decay^k * CE_k, where head k (0-based) at position t predicts token t + k + 2; `targets`
-    as in shifted_cross_entropy. Returns (loss, per-head CE [K], detached, for logging)."""
-    per_head = [shifted_cross_entropy(head_logits[:, :, k], input_ids, loss_mask, segment_ids, shift=k + 2, targets=targets)
-                for k in range(head_logits.shape[2])]
+    as in shifted_cross_entropy. With `teacher_logits` [B, T, V'] (the base's own logits over the heads'
+    vocabulary) head k learns the base's whole distribution there instead of the data's token.
+    Returns (loss, per-head CE [K], detached, for logging)."""
+    if teacher_logits is None:
+        per_head = [shifted_cross_entropy(head_logits[:, :, k], input_ids, loss_mask, segment_ids, shift=k + 2,
+                                          targets=targets) for k in range(head_logits.shape[2])]
+    else:
+        per_head = [shifted_soft_cross_entropy(head_logits[:, :, k], teacher_logits, loss_mask, segment_ids, shift=k + 2)
+                    for k in range(head_logits.shape[2])]
     loss = sum(decay ** k * ce for k, ce in enumerate(per_head))
     return loss, torch.stack(per_head).detach()
 
