@@ -37,6 +37,8 @@ class MedusaConfig:
     head_type: str = "medusa"
     # Heads score only this many tokens (the token map saved with the weights); None = the full vocabulary.
     draft_vocab_size: int | None = None
+    # Attention heads of the context layer the heads read through (see context.py); 0 = no context layer.
+    context_heads: int = 0
     base_model_name_or_path: str | None = None
     # Default tree for generate(), as Medusa "choices" (rank paths); None = a built-in default.
     tree: list[list[int]] | None = None
@@ -60,6 +62,11 @@ class MedusaConfig:
         if self.draft_vocab_size is not None and self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"MedusaConfig.draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size}); "
                              f"use at most the full vocabulary, or null for all of it")
+        if not isinstance(self.context_heads, int) or isinstance(self.context_heads, bool) or self.context_heads < 0:
+            raise ValueError(f"MedusaConfig.context_heads must be an integer >= 0, got {self.context_heads!r}")
+        if self.context_heads and self.hidden_size and self.hidden_size % self.context_heads:
+            raise ValueError(f"MedusaConfig.context_heads ({self.context_heads}) must divide hidden_size "
+                             f"({self.hidden_size}), e.g. {max(1, self.hidden_size // 64)}")
         if self.tree is not None:
             self.tree = [list(map(int, path)) for path in self.tree]
 

@@ -154,7 +154,7 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
             streamer.put(input_ids.cpu())
         # 1. Prefill both models; the base model's last logits give the first token (the first root).
         cache, draft_cache = new_cache(), new_cache()
-        logits, last_hidden, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
+        logits, _, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
         _, _, draft_valid, draft_pos = prefill(draft_model, draft_spec, input_ids, attention_mask, draft_cache)
         root = draw_targets(logits, sampling)[:, -1]
         next_pos = slot_pos[:, -1] + 1

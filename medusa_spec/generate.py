@@ -136,15 +136,15 @@ def stream(streamer, new_tokens: torch.Tensor, count: int) -> None:
 
 
 def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
-    """The prompt as a chain into `cache`: returns (last logits [B, 1, V], last hidden [B, H], slot_valid [B, S],
-    slot_pos [B, S]); padding slots are invalid and positions count only real tokens."""
+    """The prompt as a chain into `cache`: returns (last logits [B, 1, V], final hidden states [B, S, H],
+    slot_valid [B, S], slot_pos [B, S]); padding slots are invalid and positions count only real tokens."""
     prompt_length = input_ids.shape[1]
     slot_valid = attention_mask
     slot_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=input_ids.device).tril()
     logits, hidden = forward_block(model, spec, input_ids, slot_pos, causal, cache, slot_valid, slot_pos, last_only=True)
     check_cache(cache, prompt_length)
-    return logits, hidden[:, -1], slot_valid, slot_pos
+    return logits, hidden, slot_valid, slot_pos
 
 
 def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer):
@@ -189,8 +189,18 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
         cache = new_cache()
-        logits, last_hidden, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
+        logits, hidden, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
         root = draw_targets(logits, sampling)[:, -1]
+        # What the heads read: the last hidden state, or the context layer's output there (it takes every
+        # prompt position with its token and the token after it, the last one with the root).
+        context = getattr(heads, "context", None) if tree.num_nodes > 1 else None  # heads may be any module
+        if context is None:
+            head_state = hidden[:, -1]
+        else:
+            embed = base_model.get_input_embeddings()
+            context_cache, head_state = context.extend(
+                None, hidden, embed(input_ids), embed(torch.cat([input_ids[:, 1:], root[:, None]], dim=1)),
+                attention_mask, torch.full_like(root, input_ids.shape[1] - 1))
         next_pos = slot_pos[:, -1] + 1
         count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
         stats.steps = 1
@@ -201,9 +211,9 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
             lookup.extend([[token] for token in synced[1 + batch:]])
 
         while not done:
-            # 2. Propose: the heads read only the last accepted node's hidden state; the lookup chain
-            # comes from the host-side n-gram search.
-            node_tokens = propose(heads, base_model, root, last_hidden, tree) if tree.num_nodes > 1 else root[:, None]
+            # 2. Propose: the heads read only the last accepted node's state; the lookup chain comes from
+            # the host-side n-gram search.
+            node_tokens = propose(heads, base_model, root, head_state, tree) if tree.num_nodes > 1 else root[:, None]
             candidates, verify_tree = node_tokens, tree
             if lookup:
                 chain_tokens, has_match = lookup.propose(device)
@@ -249,7 +259,14 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
             slot_pos = torch.cat([slot_pos, next_pos[:, None] + slot_offsets], dim=1)
             next_pos = next_pos + accept_length + 1
             root = bonus
-            last_hidden = hidden.gather(1, last_node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+            if context is None:
+                head_state = hidden.gather(1, last_node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+            else:  # the kept slots: root and accepted nodes, each with the token after it (the last: the bonus)
+                kept = path[:, :longest]
+                context_cache, head_state = context.extend(
+                    context_cache, hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1])),
+                    embed(node_tokens.gather(1, kept)), embed(new_tokens[:, :longest]),
+                    slot_offsets < (accept_length + 1)[:, None], accept_length)
 
     if streamer is not None:
         streamer.end()

@@ -6,11 +6,15 @@ Two head types share everything but their input:
   x = h_t + W_k [E(x_t+1), ..., E(x_t+k+1)] (its own input layer, zero at the start), so a far
   guess knows the nearer ones.
 
+Optionally the heads read a context layer's output instead of h_t (`context`: attention over the text
+so far, see context.py; the callers apply it, as it needs the whole sequence or its cache).
+
 Optionally the heads score a reduced draft vocabulary (`token_map`: the draft index -> token id of
 the most frequent tokens); verification still uses the full vocabulary, so output is unchanged.
 
 Weight names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight`, `lm_heads.{h}.weight`,
-`token_map`) so exporting plain heads is a rename-free copy; dependent heads add `inputs.{h}`.
+`token_map`) so exporting plain heads is a rename-free copy; dependent heads add `inputs.{h}`, a context
+layer `context.*`.
 """
 
 from __future__ import annotations
@@ -20,12 +24,7 @@ from torch import nn
 
 from .columnwise import linear
 from .config import HEAD_TYPES
-
-
-def unit_rms(embeds: torch.Tensor) -> torch.Tensor:
-    """Token embeddings scaled to unit RMS: input embeddings are often far smaller than the normed final
-    hidden state beside them (init std ~0.02), which would leave their input weights learning slowly."""
-    return embeds * torch.rsqrt(embeds.pow(2).mean(-1, keepdim=True) + 1e-6)
+from .context import ContextLayer, unit_rms
 
 
 class ResidualBlock(nn.Module):
@@ -49,7 +48,7 @@ class MedusaHeads(nn.Module):
     """`num_heads` heads; head k predicts the token k + 2 positions ahead of its input state."""
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, share_lm_head: bool,
-                 head_type: str = "medusa", draft_vocab_size: int | None = None):
+                 head_type: str = "medusa", draft_vocab_size: int | None = None, context_heads: int = 0):
         super().__init__()
         if head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {', '.join(HEAD_TYPES)}, got {head_type!r}")
@@ -62,6 +61,7 @@ class MedusaHeads(nn.Module):
             for layer in self.inputs:
                 nn.init.zeros_(layer.weight)
                 nn.init.zeros_(layer.bias)
+        self.context = ContextLayer(hidden_size, context_heads) if context_heads else None
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers) for _ in range(num_heads))
         out_size = draft_vocab_size or vocab_size
         # With a shared LM head the heads own no vocabulary matrix; the base's is passed to forward()

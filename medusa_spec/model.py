@@ -39,7 +39,7 @@ class MedusaModel(nn.Module):
         if config.tree is not None:
             build_tree(config.tree, config.num_heads)  # validate now, not at the first generate()
         heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers, config.share_lm_head,
-                            config.head_type, config.draft_vocab_size)
+                            config.head_type, config.draft_vocab_size, config.context_heads)
         heads.init_projections_from(base_model.get_output_embeddings())
         device, dtype = model_device_dtype(base_model)
         heads = heads.to(device=device, dtype=dtype)

@@ -50,6 +50,8 @@ class TrainConfig:
     share_lm_head: bool = option(True, "project through the base LM head (no per-head vocabulary matrix)")
     head_type: str = option("medusa", "medusa: heads read the hidden state; dependent (Hydra-style): also the "
                             "embeddings of the tokens on the path before their guess", choices=HEAD_TYPES)
+    context_heads: int = option(0, "attention heads of a context layer the heads read through (attention over the "
+                                "text so far, with each position's next token; e.g. hidden_size / 64); 0: none")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
                                      "(a token map saved with them); default: the full vocabulary")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")
@@ -107,14 +109,18 @@ class Outputs(NamedTuple):  # a NamedTuple: DDP finds the tensors in it
     head_targets: torch.Tensor | None    # [B, T, V'] the base's logits over the heads' vocabulary, when asked for
 
 
-def attention_mask(segment_ids: torch.Tensor, bool_mask: bool, dtype: torch.dtype) -> torch.Tensor:
-    """segment_ids [B, T] -> [B, 1, T, T]: causal within each example of a packed row. A padding
+def causal_within_examples(segment_ids: torch.Tensor) -> torch.Tensor:
+    """segment_ids [B, T] -> [B, T, T] bool: causal within each example of a packed row. A padding
     position sees only itself (an all-masked query row would give NaN in sdpa)."""
     length = segment_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
     allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal & (segment_ids[:, None, :] > 0)
-    allowed |= torch.eye(length, dtype=torch.bool, device=segment_ids.device)
-    return model_mask(allowed, bool_mask, dtype)
+    return allowed | torch.eye(length, dtype=torch.bool, device=segment_ids.device)
+
+
+def attention_mask(segment_ids: torch.Tensor, bool_mask: bool, dtype: torch.dtype) -> torch.Tensor:
+    """segment_ids [B, T] -> the base model's [B, 1, T, T] mask, causal within each example."""
+    return model_mask(causal_within_examples(segment_ids), bool_mask, dtype)
 
 
 class TrainModule(nn.Module):
@@ -149,11 +155,16 @@ class TrainModule(nn.Module):
             with torch.no_grad(), self.base_model.disable_adapter():
                 teacher = self.base_model(**inputs).logits
         next_embeds = None
-        if self.heads.dependent:
+        embed = self.base_model.get_input_embeddings()
+        if self.heads.dependent or self.heads.context is not None:
             # next_ids[:, t] is the token after position t: the first token of head paths read at t.
             next_ids = logits.argmax(-1) if greedy_paths else torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
-            next_embeds = self.base_model.get_input_embeddings()(next_ids).detach().to(hidden.dtype)
-        head_logits = self.heads(hidden if train_base else hidden.detach(), lm_head, next_embeds)
+            next_embeds = embed(next_ids).detach().to(hidden.dtype)
+        states = hidden if train_base else hidden.detach()
+        if self.heads.context is not None:
+            states = self.heads.context(states, embed(input_ids).detach().to(hidden.dtype), next_embeds,
+                                        causal_within_examples(segment_ids))
+        head_logits = self.heads(states, lm_head, next_embeds)
         targets = self.base_logits_for_heads(hidden.detach()) if head_targets else None
         return Outputs(head_logits, hidden, logits, teacher, targets)
 
@@ -235,7 +246,8 @@ def train(cfg: TrainConfig) -> dict:
     # 2. Heads (+ LoRA), optimizer with one learning rate per group, schedule.
     medusa = MedusaModel.from_base(base_model, MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                                             share_lm_head=cfg.share_lm_head, head_type=cfg.head_type,
-                                                            draft_vocab_size=cfg.draft_vocab))
+                                                            draft_vocab_size=cfg.draft_vocab,
+                                                            context_heads=cfg.context_heads))
     heads = medusa.heads.float()
     draft_targets, vocab_summary = None, {}
     if cfg.draft_vocab is not None:
