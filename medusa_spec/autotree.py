@@ -36,8 +36,9 @@ def _fastest_seconds(fn, repeats: int) -> float:
 @torch.inference_mode()
 def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of drafting n nodes with
-    the heads (one call for Medusa heads, one per level for dependent heads), for each n in sizes.
-    The verified slots are dropped again after each pass."""
+    the heads (one call for Medusa heads, one per level for dependent heads; with a context layer, its
+    step over the slots a step may keep too), for each n in sizes. The verified slots are dropped
+    again after each pass."""
     with columnwise_linears(mm.base_model, mm.heads):  # as the decoding loop runs (see columnwise)
         base, spec = mm.base_model, mm.spec
         device = base.get_output_embeddings().weight.device
@@ -49,6 +50,18 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
                                   cache, valid, pos, last_only=True)
         latency, head_seconds = {}, {}
         root = ids[:, -1]
+        context_layer = getattr(mm.heads, "context", None)
+        if context_layer is not None:
+            embed = base.get_input_embeddings()
+            context_cache, _ = context_layer.extend(None, hidden, embed(ids), embed(ids), valid, root * 0 + context - 1)
+
+        def draft(tree):
+            state = hidden[:, -1]
+            if context_layer is not None:  # a step keeps up to max_depth + 1 slots
+                kept = slice(context - tree.max_depth - 1, context)
+                _, state = context_layer.extend(context_cache, hidden[:, kept], embed(ids[:, kept]), embed(ids[:, kept]),
+                                                valid[:, kept], torch.full_like(root, tree.max_depth))
+            propose(mm.heads, base, root, state, tree)
         for n in sizes:
             tree = build_tree(grow_tree([[0.5] * n] * mm.config.num_heads, n)).to(device)
             tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
@@ -62,8 +75,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
 
             verify()  # warm-up
             latency[tree.num_nodes] = _fastest_seconds(verify, repeats)
-            head_seconds[tree.num_nodes] = 0.0 if n == 1 else _fastest_seconds(
-                lambda: propose(mm.heads, base, root, hidden[:, -1], tree), repeats)
+            head_seconds[tree.num_nodes] = 0.0 if n == 1 else _fastest_seconds(lambda: draft(tree), repeats)
         return latency, head_seconds
 
 

@@ -5,6 +5,7 @@ import torch
 
 from medusa_spec import MedusaConfig, MedusaModel
 from medusa_spec.autotree import choose_tree, expected_tokens_per_step
+from medusa_spec.context import ContextLayer
 from tiny_models import tiny_model
 
 ACCURACY = [[0.8, 0.1], [0.6, 0.1]]
@@ -34,3 +35,14 @@ def test_auto_tree_measures_this_machine():
     assert mm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, eos_token_id=[], tree=tree).stats.new_tokens == [5]
     with pytest.raises(ValueError, match="no measured rank accuracies"):
         MedusaModel.from_base(tiny_model("llama")).auto_tree()
+
+
+def test_auto_tree_counts_the_context_layers_step_in_the_drafting_cost(monkeypatch):
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, head_type="dependent", context_heads=2,
+                                                                 metrics={"eval": {"rank_accuracy": ACCURACY}}))
+    steps = []
+    extend = ContextLayer.extend
+    monkeypatch.setattr(ContextLayer, "extend", lambda self, cache, *args: steps.append(cache) or extend(self, cache, *args))
+    _, table = mm.auto_tree(context=32)
+    assert steps[0] is None and len(steps) > 1 and all(cache.keys.shape[2] == 32 for cache in steps[1:])
+    assert all(row["draft_ms"] > 0 for row in table if row["nodes"] > 1)
