@@ -1,6 +1,7 @@
 """The context layer (heads read attention over the text so far): its decoding cache against the
-training pass, losslessness with it, adapters, and training that beats heads without it where the
-next token is decided by what came earlier in the text."""
+training pass, losslessness with it (greedy identity on every architecture: test_dependent_heads),
+adapters, and training that beats heads without it where the next token is decided by what came
+earlier in the text."""
 
 from __future__ import annotations
 
@@ -14,19 +15,11 @@ from medusa_spec import MedusaConfig, MedusaModel
 from medusa_spec.context import ContextLayer
 from medusa_spec.formats import convert
 from medusa_spec.train.loop import causal_within_examples, train
-from test_dependent_heads import TREE, random_heads
+from test_dependent_heads import TREE, assert_samples_follow_the_base, head0_accuracy, one_thread, random_heads  # noqa: F401 (an autouse fixture)
 from test_generate import left_padded, prompt, reference_generate
-from test_sampling import NEW, ROWS, SETTINGS, TREE as SAMPLING_TREE, chi_square_p_value, exact_joint
+from test_sampling import SETTINGS
 from test_training import WORDS, make_tokenizer, small_run, tiny_llama
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_context(hidden_size=16, num_heads=2, seed=0) -> ContextLayer:
@@ -77,16 +70,6 @@ def test_a_new_context_layer_passes_the_hidden_state_through():
     assert torch.equal(out, hidden)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("head_type", ["medusa", "dependent"])
-def test_greedy_identity_with_a_random_context_layer(arch, head_type):
-    model = tiny_model(arch)
-    ids = prompt(batch=2)
-    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
-    mm = random_heads(model, head_type=head_type, context_heads=2, draft_vocab_size=24, scale=0.1)
-    assert torch.equal(mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE).sequences, expected)
-
-
 @pytest.mark.parametrize("lookup_tokens", [0, 4])
 def test_mixed_length_batch_with_a_context_layer_equals_per_row_generation(lookup_tokens):
     model = tiny_model("llama")
@@ -109,13 +92,7 @@ def test_sampling_with_a_context_layer_matches_the_base(sampling):
     with torch.no_grad():  # a context layer that changes the drafts, small enough that some are accepted
         for param in mm.heads.context.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    torch.manual_seed(0)
-    out = mm.generate(ids.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True, temperature=sampling.temperature,
-                      top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=[], tree=SAMPLING_TREE)
-    new = out.sequences[:, ids.shape[1]:]
-    counts = torch.bincount(new[:, 0] * 36 + new[:, 1] * 6 + new[:, 2], minlength=216).double()
-    assert out.stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"
-    assert chi_square_p_value(counts, exact_joint(model, ids, sampling)) > 1e-3
+    assert_samples_follow_the_base(mm, ids, sampling)
 
 
 def test_context_layer_round_trips_and_other_formats_refuse_it(tmp_path):
@@ -163,28 +140,11 @@ def repeat_data(tmp_path_factory):
 
 
 def repeat_accuracy(adapter, base, tokenizer) -> float:
-    """Head 0's top-1 accuracy in the repeat, on the data's path: at t, the word at t + 2."""
-    from medusa_spec.train.load import load_model_and_tokenizer
-    from medusa_spec.train.loop import TrainModule
-
-    base_model, _ = load_model_and_tokenizer(base)
-    mm = MedusaModel.from_pretrained(base_model, adapter)
-    module = TrainModule(base_model, mm.heads, mm.spec.bool_mask, mm.spec.takes_logits_to_keep)
-    user = {"role": "user", "content": "count from w1"}
-    start = len(tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False))
+    """In the repeat, after its first word, head 0 guesses the word at t + 2."""
     rng = random.Random(1)
-    hits = total = 0
-    for _ in range(20):
-        phrase = " ".join(f"w{rng.randrange(WORDS)}" for _ in range(6))
-        answer = {"role": "assistant", "content": f"{phrase} {phrase}"}
-        ids = torch.tensor([tokenizer.apply_chat_template([user, answer], tokenize=True, return_dict=False)])
-        with torch.no_grad():
-            out = module(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids))
-        guesses = mm.heads.token_ids(out.head_logits[0, :, 0].argmax(-1))
-        for t in range(start + 5, start + 10):  # ids[t + 2] is a word of the repeat, after its first word
-            hits += int(guesses[t] == ids[0, t + 2])
-            total += 1
-    return hits / total
+    phrases = [" ".join(f"w{rng.randrange(WORDS)}" for _ in range(6)) for _ in range(20)]
+    # ids[start + 6 ..] is the repeat; t + 2 runs over its words after the first
+    return head0_accuracy(adapter, base, tokenizer, [f"{p} {p}" for p in phrases], lambda start: range(start + 5, start + 10))
 
 
 def test_a_context_layer_reads_what_came_earlier_in_the_text(repeat_data, tmp_path):

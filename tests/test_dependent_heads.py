@@ -122,11 +122,12 @@ def test_greedy_identity_with_dependent_heads_that_draft_long_runs(arch):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("head_type", ["medusa", "dependent"])
-def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_type):
+@pytest.mark.parametrize("context_heads", [0, 2], ids=["", "context"])
+def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_type, context_heads):
     model = tiny_model(arch)
     ids = prompt(batch=2)
     expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
-    mm = random_heads(model, head_type=head_type, draft_vocab_size=24, scale=0.1)
+    mm = random_heads(model, head_type=head_type, draft_vocab_size=24, context_heads=context_heads, scale=0.1)
     assert torch.equal(mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE).sequences, expected)
 
 
@@ -136,13 +137,18 @@ def test_sampling_with_dependent_heads_and_a_reduced_vocabulary_matches_the_base
     ids = torch.tensor([[3, 5, 4, 1]])
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type="dependent", draft_vocab_size=4))
     mm.heads.set_token_map(torch.tensor([4, 1, 0, 3]), model.get_output_embeddings())
+    assert_samples_follow_the_base(mm, ids, sampling)
+
+
+def assert_samples_follow_the_base(mm, ids, sampling):
+    """The first three sampled tokens of ROWS rows (a 6-token vocabulary) against their exact joint law."""
     torch.manual_seed(0)
     out = mm.generate(ids.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True, temperature=sampling.temperature,
                       top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=[], tree=SAMPLING_TREE)
     new = out.sequences[:, ids.shape[1]:]
     counts = torch.bincount(new[:, 0] * 36 + new[:, 1] * 6 + new[:, 2], minlength=216).double()
     assert out.stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"
-    assert chi_square_p_value(counts, exact_joint(model, ids, sampling)) > 1e-3
+    assert chi_square_p_value(counts, exact_joint(mm.base_model, ids, sampling)) > 1e-3
 
 
 # --- adapters -----------------------------------------------------------------------------------------------------
@@ -258,9 +264,10 @@ def pair_data(tmp_path_factory):
     return base, data, tokenizer
 
 
-def pair_accuracy(adapter, base, tokenizer) -> float:
-    """Head 0's top-1 accuracy for the word after a pick's pair word, on the data's own path
-    (teacher forced): at t = the word before a pick, head 0 guesses the pick's pair word."""
+def head0_accuracy(adapter, base, tokenizer, answers: list[str], positions) -> float:
+    """Head 0's top-1 accuracy on the data's own path (teacher forced) over `answers`, each the reply to
+    "count from w1": at each t in positions(start), start being the answer's first token, its guess
+    for the token at t + 2."""
     from medusa_spec.train.load import load_model_and_tokenizer
     from medusa_spec.train.loop import TrainModule
 
@@ -269,19 +276,26 @@ def pair_accuracy(adapter, base, tokenizer) -> float:
     module = TrainModule(base_model, mm.heads, mm.spec.bool_mask, mm.spec.takes_logits_to_keep)
     user = {"role": "user", "content": "count from w1"}
     start = len(tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False))
-    rng = random.Random(1)
     hits = total = 0
-    for _ in range(20):
-        picks = [rng.randrange(WORDS) for _ in range(8)]
-        answer = {"role": "assistant", "content": " ".join(f"w{a} w{PAIR[a]}" for a in picks)}
+    for text in answers:
+        answer = {"role": "assistant", "content": text}
         ids = torch.tensor([tokenizer.apply_chat_template([user, answer], tokenize=True, return_dict=False)])
         with torch.no_grad():
             out = module(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids))
         guesses = mm.heads.token_ids(out.head_logits[0, :, 0].argmax(-1))
-        for t in range(start - 1, start + 2 * len(picks) - 2, 2):  # ids[t + 1] is a pick, ids[t + 2] its pair word
+        for t in positions(start):
             hits += int(guesses[t] == ids[0, t + 2])
             total += 1
     return hits / total
+
+
+def pair_accuracy(adapter, base, tokenizer) -> float:
+    """At t = the word before a pick, head 0 guesses the pick's pair word."""
+    rng = random.Random(1)
+    picks = [[rng.randrange(WORDS) for _ in range(8)] for _ in range(20)]
+    answers = [" ".join(f"w{a} w{PAIR[a]}" for a in row) for row in picks]
+    # ids[t + 1] is a pick, ids[t + 2] its pair word
+    return head0_accuracy(adapter, base, tokenizer, answers, lambda start: range(start - 1, start + 2 * 8 - 2, 2))
 
 
 def test_dependent_heads_learn_what_plain_heads_cannot(pair_data, tmp_path):
