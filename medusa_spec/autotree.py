@@ -53,7 +53,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         context_layer = getattr(mm.heads, "context", None)
         if context_layer is not None:
             embed = base.get_input_embeddings()
-            context_cache, _ = context_layer.extend(None, hidden, embed(ids), embed(ids), valid, root * 0 + context - 1)
+            context_cache, _ = context_layer.extend(None, hidden, embed(ids), embed(ids), valid,
+                                                      torch.full_like(root, context - 1))
 
         def draft(tree):
             state = hidden[:, -1]
