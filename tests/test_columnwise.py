@@ -11,7 +11,7 @@ from medusa_spec.columnwise import MAX_ROWS, columnwise_linears, linear
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 7, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 12, 15, 16, MAX_ROWS, MAX_ROWS + 1])  # 12, 15: padded to 16
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_equals_nn_linear(rows, bias):
     torch.manual_seed(rows)
@@ -25,13 +25,14 @@ def test_linear_equals_nn_linear(rows, bias):
 def test_linear_switches_kernel_only_for_a_few_fp32_rows(monkeypatch):
     calls = []
     original_mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[0].shape) or original_mm(*a))
+    monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[1].shape[1]) or original_mm(*a))
     weight = torch.randn(8, 4)
-    for rows in (1, 3, MAX_ROWS, MAX_ROWS + 1):
+    for rows in (1, 3, 9, 10, 15, 16, MAX_ROWS, MAX_ROWS + 1):
         linear(torch.randn(rows, 4), weight)
     linear(torch.randn(3, 4, dtype=torch.bfloat16), weight.bfloat16())
     linear(torch.randn(3, 4, dtype=torch.float64), weight.double())
-    assert len(calls) == 2  # 3 and MAX_ROWS rows of fp32; one row, long blocks, bf16 and fp64 keep nn.Linear
+    # Columns per product: one row, long blocks, bf16 and fp64 keep nn.Linear; 10-15 rows are padded to 16.
+    assert calls == [3, 9, 16, 16, 16, MAX_ROWS]
 
 
 def test_columnwise_linears_switch_plain_layers_and_restore_them():
