@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
 import torch
 
@@ -22,15 +23,18 @@ def expected_tokens_per_step(choices, rank_accuracy) -> float:
     return 1.0 + sum(math.prod(rank_accuracy[d][r] for d, r in enumerate(path)) for path in choices)
 
 
-def _fastest_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` runs: other work on the machine only ever adds time, so the minimum is
-    the least noisy estimate (a median still let one busy moment pick a far too large tree)."""
-    times = []
+def _fastest_seconds(fns: dict, repeats: int) -> dict:
+    """{key: the fastest of `repeats` runs of fns[key]}. Other work on the machine only ever adds time, so
+    the minimum is the least noisy estimate (a median let one busy moment pick a far too large tree);
+    and the functions take turns, round by round, so a machine that slows down for a while slows them
+    all (timed one after the other, a 16-node verify once came out cheaper than a 4-node one)."""
+    times = {key: [] for key in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return {key: min(seconds) for key, seconds in times.items()}
 
 
 @torch.inference_mode()
@@ -48,7 +52,6 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         cache = new_cache()
         _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
                                   cache, valid, pos, last_only=True)
-        latency, head_seconds = {}, {}
         root = ids[:, -1]
         context_layer = getattr(mm.heads, "context", None)
         if context_layer is not None:
@@ -63,21 +66,21 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
                 _, state = context_layer.extend(context_cache, hidden[:, kept], embed(ids[:, kept]), embed(ids[:, kept]),
                                                 valid[:, kept], torch.full_like(root, tree.max_depth))
             propose(mm.heads, base, root, state, tree)
-        for n in sizes:
-            tree = build_tree(grow_tree([[0.5] * n] * mm.config.num_heads, n)).to(device)
+
+        def verify(tree):
             tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
             q_pos = context + tree.depth[None]
             kv_valid = torch.ones(1, context + tree.num_nodes, dtype=torch.bool, device=device)
-            kv_pos = torch.cat([pos, q_pos], dim=1)
+            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, torch.cat([pos, q_pos], dim=1))
+            keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
 
-            def verify():
-                forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, kv_pos)
-                keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
-
-            verify()  # warm-up
-            latency[tree.num_nodes] = _fastest_seconds(verify, repeats)
-            head_seconds[tree.num_nodes] = 0.0 if n == 1 else _fastest_seconds(lambda: draft(tree), repeats)
-        return latency, head_seconds
+        trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree([[0.5] * n] * mm.config.num_heads, n)).to(device)
+                                                   for n in sizes)}
+        for tree in trees.values():
+            verify(tree)  # warm-up
+        latency = _fastest_seconds({n: partial(verify, tree) for n, tree in trees.items()}, repeats)
+        head_seconds = _fastest_seconds({n: partial(draft, tree) for n, tree in trees.items() if n > 1}, repeats)
+        return latency, {**head_seconds, **({1: 0.0} if 1 in trees else {})}
 
 
 def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float | dict[int, float]) -> tuple[list[list[int]], list[dict]]:
