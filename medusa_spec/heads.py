@@ -117,10 +117,20 @@ class MedusaHeads(nn.Module):
                 return self.lm_heads[head](states)
             return torch.stack([lm_head(states[..., k, :]) for k, lm_head in enumerate(self.lm_heads)], dim=-2)
         if self.token_map is None:
-            return base_lm_head(states)  # one matmul for all heads: the big matrix is read once
+            # One matmul for all heads: the big matrix is read once (in its dtype: a mixed-precision base's).
+            return base_lm_head(states.to(base_lm_head.weight.dtype))
+        return linear(states, self.projection(0, base_lm_head)[0])  # the token map's rows, shared by all heads
+
+    def projection(self, head: int, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [V', H], bias or None) of head `head`'s vocabulary projection: what project() applies,
+        for the training loss, which forms logits a chunk of positions at a time."""
+        if self.lm_heads is not None:
+            return self.lm_heads[head].weight, None
+        if self.token_map is None:
+            return base_lm_head.weight, getattr(base_lm_head, "bias", None)
         if self.draft_lm_weight is None:
             raise RuntimeError("heads with a token map and a shared LM head need bind_lm_head(base_lm_head) first")
-        return linear(states, self.draft_lm_weight)
+        return self.draft_lm_weight, None
 
     def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Dependent head k: hidden_states [..., H], path_embeds [..., k + 1, H] -> logits [..., V']."""
@@ -131,20 +141,23 @@ class MedusaHeads(nn.Module):
         return self.blocks[k](hidden_states + self.inputs[k](path))
 
     def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., T, H] -> logits [..., T, K, V'].
+        """[..., T, H] -> logits [..., T, K, V'] (next_embeds as in states())."""
+        return self.project(self.states(hidden_states, next_embeds), base_lm_head)
+
+    def states(self, hidden_states: torch.Tensor, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., T, H] -> every head's state before its projection, [..., T, K, H].
 
         Dependent heads need `next_embeds` [..., T, H]: the embedding of the token after each
         position (teacher forcing), so head k at t reads E(x_t+1) .. E(x_t+k+1); positions whose
         path runs past the end see zeros there (their targets are past the end too).
         """
         if not self.dependent:
-            return self.project(torch.stack([block(hidden_states) for block in self.blocks], dim=-2), base_lm_head)
+            return torch.stack([block(hidden_states) for block in self.blocks], dim=-2)
         if next_embeds is None:
             raise ValueError("dependent heads need next_embeds, the embeddings of the tokens that follow each position")
         shifted = [unit_rms(next_embeds)]
         for _ in range(self.num_heads - 1):
             previous = shifted[-1]
             shifted.append(torch.cat([previous[..., 1:, :], torch.zeros_like(previous[..., :1, :])], dim=-2))
-        states = [self._dependent_state(k, hidden_states, torch.cat(shifted[: k + 1], dim=-1))
-                  for k in range(self.num_heads)]
-        return self.project(torch.stack(states, dim=-2), base_lm_head)
+        return torch.stack([self._dependent_state(k, hidden_states, torch.cat(shifted[: k + 1], dim=-1))
+                            for k in range(self.num_heads)], dim=-2)

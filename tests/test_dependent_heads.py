@@ -282,7 +282,8 @@ def head0_accuracy(adapter, base, tokenizer, answers: list[str], positions) -> f
         ids = torch.tensor([tokenizer.apply_chat_template([user, answer], tokenize=True, return_dict=False)])
         with torch.no_grad():
             out = module(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids))
-        guesses = mm.heads.token_ids(out.head_logits[0, :, 0].argmax(-1))
+        head_logits = mm.heads.project(out.head_states, base_model.get_output_embeddings())
+        guesses = mm.heads.token_ids(head_logits[0, :, 0].argmax(-1))
         for t in positions(start):
             hits += int(guesses[t] == ids[0, t + 2])
             total += 1

@@ -30,7 +30,7 @@ from medusa_spec.train.distill import DistillConfig, answer, distill
 from medusa_spec.train.evaluate import count_rank_hits
 from medusa_spec.train.load import load_model_and_tokenizer
 from medusa_spec.train.loop import TrainConfig, TrainModule, train
-from medusa_spec.train.loss import heads_loss, kl_to_teacher, shifted_cross_entropy
+from medusa_spec.train.loss import heads_loss, kl_to_teacher, linear_cross_entropy, shifted_cross_entropy
 from medusa_spec.train.options import resolve
 
 WORDS = 24  # the counting vocabulary w0 .. w23, cyclic
@@ -138,14 +138,21 @@ def one_hot_logits(ids: torch.Tensor, num_heads: int, vocab: int, lookahead) -> 
     return logits
 
 
+def identity_projections(num_heads: int, vocab: int) -> list:
+    """Projections that pass head states through unchanged: the states are the logits."""
+    return [(torch.eye(vocab), None)] * num_heads
+
+
 def test_heads_loss_is_zero_for_the_right_shift_and_large_off_by_one():
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(40, generator=g)[:12] for _ in range(2)])  # no repeats within a row
     mask, segments = torch.ones_like(ids, dtype=torch.bool), torch.ones_like(ids)
-    right, per_head = heads_loss(one_hot_logits(ids, 3, 40, lambda k: k + 2), ids, mask, segments, decay=0.8)
+    right, per_head = heads_loss(one_hot_logits(ids, 3, 40, lambda k: k + 2), identity_projections(3, 40), ids, mask,
+                                 segments, decay=0.8)
     assert right.item() < 1e-6 and per_head.max().item() < 1e-6
     for wrong_shift in (lambda k: k + 1, lambda k: k + 3):
-        wrong, per_head = heads_loss(one_hot_logits(ids, 3, 40, wrong_shift), ids, mask, segments, decay=0.8)
+        wrong, per_head = heads_loss(one_hot_logits(ids, 3, 40, wrong_shift), identity_projections(3, 40), ids, mask,
+                                     segments, decay=0.8)
         assert wrong.item() > 50 and per_head.min().item() > 50
 
 
@@ -178,8 +185,9 @@ def test_soft_targets_reduce_to_the_token_loss_for_a_certain_teacher_and_are_met
     head_logits = torch.randn(2, 10, 3, 12, generator=g)
     # A teacher sure of the data's next token (its logits at t - 1 name token t): the token loss exactly.
     certain = 1e4 * torch.nn.functional.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], dim=1), 12).float()
-    soft, soft_per_head = heads_loss(head_logits, ids, mask, segments, 0.8, teacher_logits=certain)
-    hard, hard_per_head = heads_loss(head_logits, ids, mask, segments, 0.8)
+    identity = identity_projections(3, 12)
+    soft, soft_per_head = heads_loss(head_logits, identity, ids, mask, segments, 0.8, teacher_logits=certain)
+    hard, hard_per_head = heads_loss(head_logits, identity, ids, mask, segments, 0.8)
     assert torch.allclose(soft, hard) and torch.allclose(soft_per_head, hard_per_head)
     # An unsure teacher: head k's loss is smallest, its entropy, when head k at t says what the teacher
     # says at t + k + 1, and larger for the neighbouring offsets.
@@ -189,10 +197,52 @@ def test_soft_targets_reduce_to_the_token_loss_for_a_certain_teacher_and_are_met
         copied = torch.zeros(2, 10, 3, 12)
         for k in range(3):
             copied[:, : 10 - ahead, k] = teacher[:, ahead:]
-        _, per_head = heads_loss(copied, ids, mask, segments, 0.8, teacher_logits=teacher)
+        _, per_head = heads_loss(copied, identity, ids, mask, segments, 0.8, teacher_logits=teacher)
         k = ahead - 1
         assert torch.allclose(per_head[k], entropy[:, k + 1: 10 - 1].mean(), atol=1e-5)
         assert all(per_head[j] > entropy.mean() + 0.1 for j in range(3) if j != k)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_chunked_linear_cross_entropy_matches_autograd_in_value_and_gradients(soft):
+    g = torch.Generator().manual_seed(4)
+    states = torch.randn(10, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(15, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(15, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randn(10, 15, generator=g, dtype=torch.float64) if soft else torch.randint(0, 15, (10,), generator=g)
+    # chunks of 4 rows: 3 chunks, the last one short
+    total = linear_cross_entropy(states, weight, bias, targets, chunk_rows=4)
+    (2.5 * total).backward()
+    fused = [t.grad.clone() for t in (states, weight, bias)]
+    for t in (states, weight, bias):
+        t.grad = None
+    logits = torch.nn.functional.linear(states, weight, bias)
+    wanted = targets.softmax(-1) if soft else targets
+    expected = torch.nn.functional.cross_entropy(logits, wanted, reduction="sum")
+    (2.5 * expected).backward()
+    assert torch.allclose(total, expected)
+    for got, want in zip(fused, (states.grad, weight.grad, bias.grad)):
+        assert torch.allclose(got, want, atol=1e-10)
+
+
+def test_heads_loss_projects_only_the_positions_with_a_target():
+    """A reduced vocabulary's -1 targets and non-assistant positions are left out of the mean, and the
+    loss equals the plain logits-then-cross-entropy one over the rest."""
+    g = torch.Generator().manual_seed(5)
+    states = torch.randn(2, 9, 2, 4, generator=g)
+    weight = torch.randn(7, 4, generator=g)
+    targets = torch.randint(-1, 7, (2, 9), generator=g)
+    ids = targets.clamp(min=0) + 100  # token ids; `targets` are their draft indices
+    mask = torch.rand(2, 9, generator=g) > 0.3
+    segments = torch.ones(2, 9, dtype=torch.long)
+    loss, per_head = heads_loss(states, [(weight, None)] * 2, ids, mask, segments, 0.5, targets)
+    logits = states @ weight.T
+    for k in range(2):
+        shift = k + 2
+        valid = mask[:, shift:] & (targets[:, shift:] >= 0)
+        expected = torch.nn.functional.cross_entropy(logits[:, :-shift, k][valid], targets[:, shift:][valid])
+        assert torch.allclose(per_head[k], expected, atol=1e-6)
+    assert torch.allclose(loss, per_head[0] + 0.5 * per_head[1])
 
 
 def test_rank_hits_compare_with_the_base_greedy_token_at_that_offset():

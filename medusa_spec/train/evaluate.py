@@ -59,7 +59,8 @@ def evaluate(module, rows, batch_size: int, pad_token_id: int, top_k: int, accel
             # Dependent heads read the base's own greedy tokens as their path: accuracy given a right parent.
             out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True,
                          greedy_paths=True)
-            batch_hits, batch_positions = count_rank_hits(out.head_logits, out.base_logits, batch["loss_mask"],
+            head_logits = module.heads.project(out.head_states, module.base_model.get_output_embeddings())
+            batch_hits, batch_positions = count_rank_hits(head_logits, out.base_logits, batch["loss_mask"],
                                                           batch["segment_ids"], top_k, module.heads.token_map)
             hits += batch_hits
             positions += batch_positions

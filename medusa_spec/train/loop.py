@@ -102,11 +102,11 @@ class TrainConfig:
 
 
 class Outputs(NamedTuple):  # a NamedTuple: DDP finds the tensors in it
-    head_logits: torch.Tensor            # [B, T, K, V]
+    head_states: torch.Tensor            # [B, T, K, H], before the heads' vocabulary projection
     hidden: torch.Tensor                 # [B, T, H], the base's final hidden state
     base_logits: torch.Tensor | None     # [B, T, V], when asked for
     teacher_logits: torch.Tensor | None  # [B, T, V] with the LoRA adapter disabled, when asked for
-    head_targets: torch.Tensor | None    # [B, T, V'] the base's logits over the heads' vocabulary, when asked for
+    heads_loss: tuple[torch.Tensor, torch.Tensor] | None  # (loss, per-head CE [K]), when a loss_mask is given
 
 
 def causal_within_examples(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -135,12 +135,16 @@ class TrainModule(nn.Module):
         self.takes_logits_to_keep = takes_logits_to_keep
 
     def forward(self, input_ids, position_ids, segment_ids, hidden=None, base_logits=False, teacher_logits=False,
-                train_base=False, greedy_paths=False, head_targets=False) -> Outputs:
+                train_base=False, greedy_paths=False, loss_mask=None, draft_targets=None, soft_targets=False,
+                decay=0.8) -> Outputs:
         """hidden: cached final hidden states (then the base does not run; base_logits must be False).
         train_base: let gradients reach the base (the LoRA weights); else the heads read a detached state.
         Dependent heads read the data's next tokens as their path (teacher forcing), or with
         greedy_paths (needs base_logits) the base model's own greedy tokens, as at decoding time.
-        head_targets: also the base's logits over the heads' vocabulary (their soft targets)."""
+        loss_mask: also the heads' loss (heads_loss in loss.py, with decay), computed here because the
+        projections it applies may be trained weights, which DDP sees only if forward uses them.
+        draft_targets [V]: token id -> index in the heads' reduced vocabulary (-1: none), if reduced;
+        soft_targets: the heads learn the base's distribution over their vocabulary, not the data's token."""
         lm_head = self.base_model.get_output_embeddings()
         mask = attention_mask(segment_ids, self.bool_mask, lm_head.weight.dtype)
         inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids, "use_cache": False}
@@ -164,9 +168,14 @@ class TrainModule(nn.Module):
         if self.heads.context is not None:
             states = self.heads.context(states, embed(input_ids).detach().to(hidden.dtype), next_embeds,
                                         causal_within_examples(segment_ids))
-        head_logits = self.heads(states, lm_head, next_embeds)
-        targets = self.base_logits_for_heads(hidden.detach()) if head_targets else None
-        return Outputs(head_logits, hidden, logits, teacher, targets)
+        head_states = self.heads.states(states, next_embeds)
+        loss = None
+        if loss_mask is not None:
+            projections = [self.heads.projection(k, lm_head) for k in range(self.heads.num_heads)]
+            loss = heads_loss(head_states, projections, input_ids, loss_mask, segment_ids, decay,
+                              None if draft_targets is None else draft_targets[input_ids],
+                              self.base_logits_for_heads(hidden.detach()) if soft_targets else None)
+        return Outputs(head_states, hidden, logits, teacher, loss)
 
     @torch.no_grad()
     def base_logits_for_heads(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -319,10 +328,11 @@ def train(cfg: TrainConfig) -> dict:
                 out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"],
                              hidden=None if hidden is None else hidden.to(accelerator.device),
                              base_logits=not heads_only, teacher_logits=not heads_only and cfg.base_loss == "kl",
-                             train_base=not heads_only, head_targets=cfg.heads_target == "teacher")
+                             train_base=not heads_only, loss_mask=batch["loss_mask"], draft_targets=draft_targets,
+                             soft_targets=cfg.heads_target == "teacher", decay=cfg.head_decay)
                 if cache is not None and hidden is None:
                     cache.put(rows, out.hidden)
-                loss, head_ce = combined_loss(out, batch, cfg, heads_only, draft_targets)
+                loss, head_ce = combined_loss(out, batch, cfg, heads_only)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(module.parameters(), cfg.max_grad_norm)
@@ -361,14 +371,11 @@ def train(cfg: TrainConfig) -> dict:
     return {**summary, "eval": metrics}
 
 
-def combined_loss(out: Outputs, batch: dict, cfg: TrainConfig, heads_only: bool,
-                  draft_targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def combined_loss(out: Outputs, batch: dict, cfg: TrainConfig, heads_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Medusa-1 (and the heads-only warm-up): the heads' loss. Medusa-2: base loss + lambda * heads' loss.
-    draft_targets [V]: token id -> index in the heads' reduced vocabulary (-1: none), if reduced.
     Returns (loss, per-head CE [K] for logging)."""
     ids, mask, segments = batch["input_ids"], batch["loss_mask"], batch["segment_ids"]
-    targets = None if draft_targets is None else draft_targets[ids]
-    loss, head_ce = heads_loss(out.head_logits, ids, mask, segments, cfg.head_decay, targets, out.head_targets)
+    loss, head_ce = out.heads_loss
     if heads_only:
         return loss, head_ce
     if cfg.base_loss == "kl":

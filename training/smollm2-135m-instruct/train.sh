@@ -2,7 +2,8 @@
 # Stages 2-3 of the SmolLM2-135M-Instruct heads recipe: dependent (Hydra-style) heads over a 4096-token
 # draft vocabulary on the distilled conversations (frozen base, hidden states cached so the base runs
 # once per row), then the tree calibrated from the held-out rank accuracies, then the adapter copied
-# to heads/. Killed? Rerun with RESUME=--resume. HEAD_TYPE=medusa trains the plain-heads comparison.
+# to heads/. Killed? Rerun with RESUME=--resume. HEAD_TYPE=medusa trains the plain-heads comparison,
+# DRAFT_VOCAB=full the full-vocabulary one.
 # Usage: bash train.sh [DATA] [RUN_DIR]
 set -euo pipefail
 DATA=${1:-/work/data/smollm2-distill.jsonl}
@@ -10,7 +11,7 @@ RUN=${2:-runs/smollm2-dependent}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 MODEL=$(python -c "from medusa_spec import default_model; print(default_model.prepare())")
 medusa-spec train --model "$MODEL" --data "$DATA" --output-dir "$RUN" ${RESUME:-} \
-  --head-type ${HEAD_TYPE:-dependent} --draft-vocab ${DRAFT_VOCAB:-4096} \
+  --head-type ${HEAD_TYPE:-dependent} $([ "${DRAFT_VOCAB:-4096}" = full ] || echo --draft-vocab "${DRAFT_VOCAB:-4096}") \
   --num-heads 3 --num-layers 1 --share-lm-head --max-length 512 --batch-size 4 --epochs ${EPOCHS:-4} \
   --lr 2e-3 --warmup-steps 20 --cache-hidden --eval-examples 40 --top-k 8 --save-every 40 --log-every 5 ${EXTRA:-}
 medusa-spec tree --adapter "$RUN" --nodes 8
