@@ -518,6 +518,26 @@ def test_cached_hidden_states_run_the_base_once_per_row_and_train_the_same(base_
     assert all(torch.allclose(plain[k], cached[k], atol=1e-6) for k in plain)
 
 
+@pytest.mark.parametrize("share_lm_head", [True, False])
+def test_heads_train_under_bf16_mixed_precision_with_shared_or_own_projections(base_dir, conversations, tmp_path,
+                                                                                share_lm_head):
+    """The base (and a shared LM head) in bf16, the heads in fp32: the loss's chunked projection takes
+    both, and own projections, the only trained vocabulary matrices, learn too."""
+    output_dir = tmp_path / "run"
+    train(small_run(base_dir, conversations, output_dir, max_steps=40, log_every=5, mixed_precision="bf16",
+                    share_lm_head=share_lm_head))
+    log = [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
+    head_ce = [record["head_ce"] for record in log if "head_ce" in record]
+    assert all(math.isfinite(x) for row in head_ce for x in row)
+    assert head_ce[-1][0] < 0.5 * head_ce[0][0]
+    weights = load_file(output_dir / "medusa_heads.safetensors")
+    assert ("lm_heads.0.weight" in weights) == (not share_lm_head)
+    if not share_lm_head:  # each started as a copy of the base's LM head
+        base_model, _ = load_model_and_tokenizer(base_dir)
+        start = base_model.get_output_embeddings().weight
+        assert all((weights[f"lm_heads.{k}.weight"] - start).abs().max() > 1e-3 for k in range(3))
+
+
 def test_medusa2_trains_lora_and_heads_saves_lora_beside_the_heads_and_loads_back(base_dir, conversations, tmp_path):
     warmup_only = train(small_run(base_dir, conversations, tmp_path / "warm", mode="medusa2", max_steps=2,
                                   heads_warmup_steps=2, lora_r=4))
