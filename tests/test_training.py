@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from peft import PeftModel
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
@@ -524,8 +525,13 @@ def test_heads_train_under_bf16_mixed_precision_with_shared_or_own_projections(b
     """The base (and a shared LM head) in bf16, the heads in fp32: the loss's chunked projection takes
     both, and own projections, the only trained vocabulary matrices, learn too."""
     output_dir = tmp_path / "run"
-    train(small_run(base_dir, conversations, output_dir, max_steps=40, log_every=5, mixed_precision="bf16",
-                    share_lm_head=share_lm_head))
+    # accelerate keeps its precision in a process-wide state: reset it around this run (as its own tests do).
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        train(small_run(base_dir, conversations, output_dir, max_steps=40, log_every=5, mixed_precision="bf16",
+                        share_lm_head=share_lm_head))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     log = [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
     head_ce = [record["head_ce"] for record in log if "head_ce" in record]
     assert all(math.isfinite(x) for row in head_ce for x in row)
