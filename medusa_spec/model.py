@@ -92,8 +92,9 @@ class MedusaModel(nn.Module):
         if not rank_accuracy:
             raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
                              "with an eval split or run `medusa-spec tree --model ... --data ...` first")
-        latency, head_seconds = autotree.measure_step_costs(self, context=context)
-        return autotree.choose_tree(rank_accuracy[: self.config.num_heads], latency, head_seconds)
+        rank_accuracy = rank_accuracy[: self.config.num_heads]
+        latency, head_seconds = autotree.measure_step_costs(self, context=context, rank_accuracy=rank_accuracy)
+        return autotree.choose_tree(rank_accuracy, latency, head_seconds)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,

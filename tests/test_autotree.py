@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec import MedusaConfig, MedusaModel, autotree
 from medusa_spec.autotree import choose_tree, expected_tokens_per_step
 from medusa_spec.context import ContextLayer
 from tiny_models import tiny_model
@@ -46,3 +46,21 @@ def test_auto_tree_counts_the_context_layers_step_in_the_drafting_cost(monkeypat
     _, table = mm.auto_tree(context=32)
     assert steps[0] is None and len(steps) > 1 and all(cache.keys.shape[2] == 32 for cache in steps[1:])
     assert all(row["draft_ms"] > 0 for row in table if row["nodes"] > 1)
+
+
+def test_auto_tree_times_the_trees_its_accuracies_grow(monkeypatch):
+    """Dependent heads draft one call per tree depth, so a size's cost depends on the tree's shape: the
+    trees timed are the ones choose_tree weighs (here a chain, where equal accuracies give a fan)."""
+    chain_first = [[0.9, 0.05, 0.01], [0.9, 0.05, 0.01]]
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, head_type="dependent",
+                                                                 metrics={"eval": {"rank_accuracy": chain_first}}))
+    depths = {}
+    propose = autotree.propose
+
+    def recording(heads, base_model, root, state, tree):
+        depths[tree.num_nodes] = tree.max_depth
+        return propose(heads, base_model, root, state, tree)
+
+    monkeypatch.setattr(autotree, "propose", recording)
+    mm.auto_tree(context=32)
+    assert depths[3] == 2 and depths[4] == 2  # [[0], [0, 0]] and [[0], [0, 0], [1]], not [[0], [1], [2]]
