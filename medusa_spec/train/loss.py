@@ -69,8 +69,6 @@ def linear_cross_entropy(states: torch.Tensor, weight: torch.Tensor, bias: torch
     (token indices [N], or teacher logits [N, V] whose softmax is the target), without ever holding
     all N rows' logits: autograd would keep every head's [N, V] logits and log-softmax for backward,
     gigabytes at a 50-150k vocabulary."""
-    if bias is None:
-        bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
     return _LinearCrossEntropy.apply(states, weight, bias, targets, chunk_rows)
 
 
@@ -84,7 +82,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         exact = torch.promote_types(weight.dtype, torch.float32)  # softmax in fp32 at least
         grad_states = torch.zeros_like(states) if need_states else None
         grad_weight = torch.zeros_like(weight, dtype=exact) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=exact) if need_bias else None
+        grad_bias = torch.zeros_like(bias, dtype=exact) if need_bias else None  # need_bias: bias is not None
         total = torch.zeros((), dtype=exact, device=states.device)
         for start in range(0, states.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
@@ -104,17 +102,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight += grad.T @ x.to(exact)
             if need_bias:
                 grad_bias += grad.sum(0)
-        ctx.weight_dtypes = (weight.dtype, bias.dtype)
+        ctx.weight_dtype = weight.dtype  # nn.Linear keeps its bias in the same dtype
         ctx.save_for_backward(grad_states, grad_weight, grad_bias)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_states, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.weight_dtypes
         return (None if grad_states is None else grad_states * grad_total.to(grad_states.dtype),
-                None if grad_weight is None else (grad_weight * grad_total).to(weight_dtype),
-                None if grad_bias is None else (grad_bias * grad_total).to(bias_dtype),
+                None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype),
+                None if grad_bias is None else (grad_bias * grad_total).to(ctx.weight_dtype),
                 None, None)
 
 
