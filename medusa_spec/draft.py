@@ -17,10 +17,11 @@ import time
 import torch
 from torch import nn
 
-from .accept import Sampling, accept_draft, draw_targets, processed_probs
+from .accept import accept_draft, draw_targets, processed_probs
 from .base import inspect_base_model, model_device_dtype
 from .columnwise import columnwise_linears
-from .generate import GenerateOutput, GenerationStats, SequenceWriter, prefill, prepare_inputs, special_tokens, stream
+from .generate import (GenerateOutput, GenerationStats, SequenceWriter, prefill, prepare_inputs, resolve_sampling,
+                       special_tokens, stream)
 from .kv_cache import keep_accepted, new_cache
 from .tree import build_tree
 from .verify import forward_block
@@ -119,8 +120,8 @@ def _check_draft_lengths(num_draft_tokens, max_draft_tokens) -> None:
 
 
 def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, do_sample: bool = False,
-                        temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                        attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, do_sample: bool | None = None,
+                        temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                         num_draft_tokens: int | None = None, max_draft_tokens: int = 8,
                         streamer=None) -> GenerateOutput:
@@ -133,7 +134,7 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
     """
     _check_draft_lengths(num_draft_tokens, max_draft_tokens)
     spec, draft_spec = check_draft_model(base_model, draft_model)
-    sampling = Sampling(do_sample, temperature, top_k, top_p)
+    sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p)
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
     start = time.perf_counter()
     input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)

@@ -7,6 +7,7 @@ cache slots to keep); everything else stays on the model's device.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,39 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer):
         raise ValueError("a streamer works with one prompt (batch size 1), as in transformers")
 
 
+# What transformers' generate uses for a sampling argument that neither the call nor the model's
+# generation_config sets (GenerationConfig._get_default_generation_params; tests compare the two).
+TRANSFORMERS_SAMPLING_DEFAULTS = (("do_sample", False), ("temperature", 1.0), ("top_k", 50), ("top_p", 1.0))
+# Sampling warpers transformers' generate would also apply, with the value at which each does nothing;
+# medusa_spec draws only through temperature, top-k and top-p.
+UNSUPPORTED_WARPERS = (("min_p", None), ("top_h", None), ("typical_p", 1.0), ("epsilon_cutoff", 0.0),
+                       ("eta_cutoff", 0.0))
+
+
+def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, top_k=None, top_p=None) -> Sampling:
+    """The distribution `base_model.generate` would sample with the same arguments: each one given here,
+    else the model's generation_config, else transformers' default (top_k=50); top_k=0 / top_p=1 disable."""
+    gen_config = getattr(base_model, "generation_config", None)
+    given = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    resolved = {}
+    for name, default in TRANSFORMERS_SAMPLING_DEFAULTS:
+        value = given[name]
+        if value is None:
+            value = getattr(gen_config, name, None)
+        resolved[name] = default if value is None else value
+    if resolved["do_sample"]:
+        for name, neutral in UNSUPPORTED_WARPERS:
+            value = getattr(gen_config, name, None)
+            if value is not None and value != neutral:
+                raise ValueError(f"the base model's generation_config sets {name}={value!r}, which transformers applies "
+                                 f"when sampling and medusa_spec does not (it samples with temperature, top_k and "
+                                 f"top_p only); set base_model.generation_config.{name} = {neutral!r} to sample "
+                                 f"without it")
+    # transformers skips top-k at 0; Sampling says "no top-k" with None.
+    top_k = resolved["top_k"] if resolved["top_k"] != 0 else None
+    return Sampling(bool(resolved["do_sample"]), resolved["temperature"], top_k, resolved["top_p"])
+
+
 def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
     """(eos ids, pad id), defaulting to the base model's generation_config; eos_token_id=[] never stops early."""
     gen_config = getattr(base_model, "generation_config", None)
@@ -156,13 +190,27 @@ def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, 
     return input_ids, attention_mask
 
 
+@contextmanager
+def eval_mode(module: nn.Module | None):
+    """`module` and all its submodules in eval mode for the block, then each in the mode it had before
+    (a caller training the heads between generations keeps training them)."""
+    modes = [(m, m.training) for m in module.modules()] if module is not None else []
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tree: Tree, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, sampling: Sampling = Sampling(),
              eos_token_id: list[int] | None = None, pad_token_id: int | None = None, streamer=None,
              lookup_tokens: int = 0, documents=None) -> GenerateOutput:
     """The speculative loop. `lookup_tokens` > 0 adds a prompt-lookup chain of that length to `tree`'s root
     (candidates copied from the prompt, the generated text and `documents`, lists of token ids); `heads` may be
-    None when `tree` is root-only."""
+    None when `tree` is root-only; they run in eval mode and get their own mode back on return."""
     check_lookup_tokens(lookup_tokens)
     documents = check_documents(documents, spec.vocab_size)
     if documents and not lookup_tokens:
@@ -184,7 +232,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
     lookup_accepted = torch.zeros((), dtype=torch.long, device=device)
 
     # The tree's and the heads' few rows run column-wise on CPU (see columnwise).
-    with torch.inference_mode(), columnwise_linears(base_model, heads):
+    with torch.inference_mode(), columnwise_linears(base_model, heads), eval_mode(heads):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
@@ -278,7 +326,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
 
 
 def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                         max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
+                         max_new_tokens: int = 128, do_sample: bool | None = None, temperature: float | None = None,
                          top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                          pad_token_id: int | None = None, lookup_tokens: int = 10, documents=None, tree=None,
                          streamer=None) -> GenerateOutput:
@@ -296,11 +344,11 @@ def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_ma
         raise ValueError("generate_with_lookup needs lookup_tokens >= 1 (the lookup chain's length, e.g. 10)")
     if isinstance(model, MedusaModel):
         base_model, spec, heads, tree = model.base_model, model.spec, model.heads, model.tree(tree)
-        heads.eval()
     elif tree is not None:
         raise ValueError("tree needs Medusa heads: pass a MedusaModel (MedusaModel.from_pretrained(base_model, heads_dir))")
     else:
         base_model, spec, heads, tree = model, inspect_base_model(model), None, build_tree([])
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
     return generate(base_model, spec, heads, tree, input_ids, attention_mask, max_new_tokens,
-                    Sampling(do_sample, temperature, top_k, top_p), eos, pad, streamer, lookup_tokens, documents)
+                    resolve_sampling(base_model, do_sample, temperature, top_k, top_p), eos, pad, streamer, lookup_tokens,
+                    documents)

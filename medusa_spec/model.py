@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from . import autotree, formats, io
-from .accept import Sampling
 from .base import inspect_base_model, model_device_dtype
 from .config import MedusaConfig
-from .generate import GenerateOutput, generate, special_tokens
+from .generate import GenerateOutput, generate, resolve_sampling, special_tokens
 from .heads import MedusaHeads
 from .tree import build_tree, default_tree
 
@@ -97,20 +96,23 @@ class MedusaModel(nn.Module):
         return autotree.choose_tree(rank_accuracy, latency, head_seconds)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, tree=None,
                  streamer=None, lookup_tokens: int = 0, documents=None) -> GenerateOutput:
         """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
 
-        eos_token_id / pad_token_id default to the base model's generation_config (pass
+        do_sample, temperature, top_k, top_p: as in transformers' generate, each one not given comes from the
+        base model's generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0
+        and top_p=1.0 turn those filters off. eos_token_id / pad_token_id default to the generation_config (pass
         eos_token_id=[] to never stop early). `tree`: rank paths, or None for the adapter's
         default; `[]` turns speculation off (one token per step, same loop). `lookup_tokens` > 0 also
         verifies a chain of that many candidates copied from an earlier occurrence of the text's last
-        n-gram in the prompt, the output or `documents` (lists of token ids), in the same pass.
+        n-gram in the prompt, the output or `documents` (lists of token ids), in the same pass. The heads
+        run in eval mode and are left in the mode they were in.
         """
-        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p)
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
-        self.heads.eval()
         return generate(self.base_model, self.spec, self.heads, self.tree(tree), input_ids, attention_mask,
                         max_new_tokens, sampling, eos, pad, streamer, lookup_tokens, documents)
 

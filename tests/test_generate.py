@@ -212,3 +212,34 @@ def test_runs_in_the_base_models_dtype(dtype):
     real_heads = medusa(model)
     assert real_heads.heads.blocks[0].layers[0].weight.dtype == dtype
     assert torch.equal(real_heads.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE).sequences, expected)
+
+
+class ModeRecordingHeads(nn.Module):
+    """Random heads' stand-in that records whether it ran in training mode."""
+
+    dependent = False
+
+    def __init__(self, num_heads=4):
+        super().__init__()
+        self.proj = nn.Linear(32, num_heads * VOCAB)
+        self.num_heads, self.modes = num_heads, []
+
+    def token_ids(self, draft_indices):
+        return draft_indices
+
+    def forward(self, hidden, lm_head):
+        self.modes.append(self.training)
+        return self.proj(hidden).view(hidden.shape[0], self.num_heads, VOCAB)
+
+
+def test_generate_runs_heads_in_eval_mode_and_restores_their_mode():
+    model = tiny_model("llama")
+    heads = ModeRecordingHeads()
+    mm = medusa(model, heads)
+    heads.train()
+    mm.generate(prompt(seed=14), max_new_tokens=5, eos_token_id=[], tree=TREE)
+    assert heads.modes and not any(heads.modes)  # eval mode while generating
+    assert heads.training and heads.proj.training  # and training again after, as the caller left them
+    heads.eval()
+    mm.generate(prompt(seed=14), max_new_tokens=5, eos_token_id=[], tree=TREE)
+    assert not heads.training

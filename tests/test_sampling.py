@@ -7,11 +7,13 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import medusa_spec.generate
 from medusa_spec import MedusaConfig, MedusaModel, Sampling
 from medusa_spec.accept import draw_targets, processed_probs
+from medusa_spec.generate import TRANSFORMERS_SAMPLING_DEFAULTS, resolve_sampling
 from tiny_models import tiny_model
 
 VOCAB, ROWS, NEW = 6, 6000, 3
@@ -98,3 +100,66 @@ def test_chi_square_rejects_a_wrong_acceptance_rule(monkeypatch):
     monkeypatch.setattr(medusa_spec.generate, "accept", accept_with_retry)
     counts, _ = sample_triples(model, prompt, sampling)
     assert chi_square_p_value(counts, exact_joint(model, prompt, sampling)) < 1e-6
+
+
+# (generation_config settings, generate arguments): every sampling argument resolves as in transformers'
+# generate: the argument, else the generation_config, else transformers' default.
+RESOLUTION_CASES = [
+    ({}, {"do_sample": True}),                                         # default top_k=50 cuts the 96-token vocabulary
+    ({"top_k": 5, "temperature": 0.7}, {"do_sample": True}),           # from the generation_config
+    ({"top_k": 5, "top_p": 0.8}, {"do_sample": True, "top_k": 0}),     # an argument wins; top_k=0 turns top-k off
+    ({"do_sample": True, "temperature": 1.5}, {"top_p": 0.9}),         # do_sample itself from the generation_config
+]
+
+
+@pytest.mark.parametrize("gen_config, kwargs", RESOLUTION_CASES, ids=str)
+def test_sampling_settings_resolve_as_in_transformers(gen_config, kwargs):
+    model = tiny_model("llama", vocab_size=96)
+    for name, value in gen_config.items():
+        setattr(model.generation_config, name, value)
+    ids = torch.tensor([[3, 5, 4, 1, 7]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=1, output_scores=True, return_dict_in_generate=True, **kwargs)
+        logits = model(ids).logits[:, -1]
+    transformers_probs = out.scores[0].softmax(-1)  # scores: after transformers' warpers
+    torch.testing.assert_close(processed_probs(logits, resolve_sampling(model, **kwargs)), transformers_probs)
+
+
+def test_transformers_defaults_are_the_ones_resolved():
+    defaults = GenerationConfig._get_default_generation_params()
+    assert dict(TRANSFORMERS_SAMPLING_DEFAULTS) == {name: defaults[name] for name, _ in TRANSFORMERS_SAMPLING_DEFAULTS}
+
+
+def test_generation_config_top_k_1_makes_sampling_greedy():
+    """top_k=1 in the generation_config leaves one token to sample: transformers' sampling is greedy, and so is ours."""
+    model = tiny_model("llama", vocab_size=96)
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        greedy = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    model.generation_config.top_k, model.generation_config.temperature = 1, 3.0
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=True, eos_token_id=None), greedy)
+    assert torch.equal(mm.generate(ids, max_new_tokens=20, do_sample=True, eos_token_id=[], tree=TREE).sequences, greedy)
+
+
+def test_sampling_from_the_generation_config_is_exact():
+    """Sampling set only in the generation_config (top-k 2, temperature 0.7): the chi-square against that distribution."""
+    model, prompt = setup()
+    model.generation_config.do_sample, model.generation_config.top_k = True, 2
+    model.generation_config.temperature = 0.7
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    torch.manual_seed(0)
+    new = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, eos_token_id=[], tree=TREE).sequences[:, prompt.shape[1]:]
+    counts = torch.bincount(new[:, 0] * VOCAB * VOCAB + new[:, 1] * VOCAB + new[:, 2], minlength=VOCAB ** 3).double()
+    assert chi_square_p_value(counts, exact_joint(model, prompt, Sampling(True, 0.7, top_k=2))) > 1e-3
+
+
+def test_a_sampling_warper_medusa_spec_does_not_apply_is_refused():
+    model = tiny_model("llama", vocab_size=VOCAB)
+    model.generation_config.min_p = 0.1
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    with pytest.raises(ValueError, match="min_p=0.1.*generation_config.min_p = None"):
+        mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, do_sample=True, tree=TREE)
+    assert mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, tree=TREE).sequences.shape == (1, 4)  # greedy ignores it
