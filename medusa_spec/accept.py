@@ -58,21 +58,35 @@ def draw_targets(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return torch.multinomial(probs.flatten(0, -2), 1).view(probs.shape[:-1])
 
 
+def repeats_a_sibling(node_tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """[B, N] bool: the node holds the same token as a sibling earlier in the tree.
+
+    Two siblings with one token are reached together; walking on into whichever subtree goes deeper would
+    pick a continuation by its own draws, a biased sample. Keeping only the first of them reachable is
+    decided by the tokens alone, before any draw, so every emitted token stays an exact draw.
+    """
+    index = torch.arange(tree.num_nodes, device=node_tokens.device)
+    earlier_sibling = (tree.parent[:, None] == tree.parent[None, :]) & (index[None, :] < index[:, None])  # [N, N]
+    earlier_sibling[:, 0] = False  # the root is its own parent, not a sibling of depth-1 nodes
+    return ((node_tokens[:, :, None] == node_tokens[:, None, :]) & earlier_sibling).any(dim=-1)
+
+
 def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, sampling: Sampling):
     """Walk the tree along the base model's own tokens.
 
     node_tokens [B, N]: candidates (node 0 = root, already emitted; a negative id, which no draw
-    equals, keeps a node and its subtree out of reach); logits [B, N, V]: the base model's logits
+    equals, keeps a node and its subtree out of reach, and so does a token an earlier sibling already
+    holds: siblings may repeat tokens); logits [B, N, V]: the base model's logits
     after each node. Returns (last_node [B], accept_length [B], bonus [B]): the
     deepest node reached, how many candidates were accepted (its depth; bonus not counted), and
     the base model's token after it.
     """
     targets = draw_targets(logits, sampling)  # [B, N]
     # Node i is reached iff it and every ancestor below the root equal their parent's target.
-    matches = node_tokens == targets[:, tree.parent]
+    matches = (node_tokens == targets[:, tree.parent]) & ~repeats_a_sibling(node_tokens, tree)
     matches[:, 0] = True  # the root was emitted before this step
     reached = (tree.tree_mask[None] & ~matches[:, None, :]).sum(-1) == 0  # [B, N]: no mismatched ancestor
-    # Siblings hold distinct tokens, so reached nodes form one chain; take its deepest.
+    # Reachable siblings hold distinct tokens, so reached nodes form one chain; take its deepest.
     accept_length, last_node = (reached * (tree.depth + 1)).max(dim=-1)
     return last_node, accept_length - 1, targets.gather(1, last_node[:, None])[:, 0]
 

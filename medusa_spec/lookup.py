@@ -156,11 +156,11 @@ def add_chain(node_tokens: torch.Tensor, chain_tokens: torch.Tensor, has_match: 
     """Medusa node tokens [B, N] + lookup chains [B, L] -> (node_tokens [B, N + L] for the verify pass,
     candidates [B, N + L] for acceptance).
 
-    Acceptance assumes siblings hold distinct tokens (reached nodes form one chain); a chain whose first
-    token equals a depth-1 Medusa candidate would break that. The choice of which one stays reachable
-    is made from the tokens alone, before any draw, so it keeps sampling exact: a matched chain wins
-    (it copies a run of text, usually longer than the heads' guesses), and a row with no match keeps
-    its chain out of reach entirely. `depth` [N + L] is the merged tree's.
+    Of two siblings with one token only one can stay reachable (acceptance keeps the first, see
+    accept.repeats_a_sibling); a chain whose first token equals a depth-1 Medusa candidate wins here
+    instead (it copies a run of text, usually longer than the heads' guesses). The choice is made from
+    the tokens alone, before any draw, so it keeps sampling exact; a row with no match keeps its chain
+    out of reach entirely. `depth` [N + L] is the merged tree's.
     """
     node_tokens = torch.cat([node_tokens, chain_tokens], dim=1)
     duplicate = (node_tokens[:, :num_tree_nodes] == chain_tokens[:, :1]) & (depth[:num_tree_nodes] == 1)

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from torch import nn
 from scipy.stats import chisquare
 from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -45,8 +46,10 @@ def exact_joint(model, prompt, sampling):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sample_triples(model, prompt, sampling, seed=0):
+def sample_triples(model, prompt, sampling, seed=0, heads=None):
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))  # zero-init heads guess plausible tokens
+    if heads is not None:
+        mm.heads = heads
     torch.manual_seed(seed)
     out = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True, temperature=sampling.temperature,
                       top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=[], tree=TREE)
@@ -79,6 +82,28 @@ def setup():
 def test_speculative_sampling_matches_base_distribution(sampling):
     model, prompt = setup()
     counts, stats = sample_triples(model, prompt, sampling)
+    assert stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"
+    assert chi_square_p_value(counts, exact_joint(model, prompt, sampling)) > 1e-3
+
+
+class RepeatingHeads(nn.Module):
+    """Zero-init heads (each ranks tokens as the base model did for the root) over a draft vocabulary that
+    holds every token twice, as a token map with repeats does: ranks 0 and 1 are one token, so depth-1
+    siblings [0] and [1] repeat a token, and so do [0, 0] and [0, 1]."""
+
+    dependent = False
+
+    def token_ids(self, draft_indices):
+        return draft_indices // 2
+
+    def forward(self, hidden, lm_head):
+        return lm_head(hidden).repeat_interleave(2, dim=-1)[:, None].expand(-1, 2, -1)  # [B, 2 heads, 2V]
+
+
+def test_sampling_is_exact_when_siblings_repeat_a_token():
+    model, prompt = setup()
+    sampling = SETTINGS[0]
+    counts, stats = sample_triples(model, prompt, sampling, heads=RepeatingHeads())
     assert stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"
     assert chi_square_p_value(counts, exact_joint(model, prompt, sampling)) > 1e-3
 
