@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,10 @@ class MedusaConfig:
     tree: list[list[int]] | None = None
     # Free-form figures from training (per-head accuracies, data size, ...).
     metrics: dict[str, Any] = field(default_factory=dict)
+    # sha256 of the weights file saved with this config, checked on load: a config and weights from different
+    # saves are caught even when their shapes agree. Null in adapters saved before it was recorded. Not compared:
+    # it names a file, not the heads.
+    weights_sha256: str | None = field(default=None, compare=False)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -69,6 +74,10 @@ class MedusaConfig:
                              f"({self.hidden_size}), e.g. {max(1, self.hidden_size // 64)}")
         if self.tree is not None:
             self.tree = [list(map(int, path)) for path in self.tree]
+        if self.weights_sha256 is not None and not (isinstance(self.weights_sha256, str)
+                                                    and re.fullmatch(r"[0-9a-f]{64}", self.weights_sha256)):
+            raise ValueError(f"MedusaConfig.weights_sha256 must be 64 lowercase hex digits or null, got "
+                             f"{self.weights_sha256!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

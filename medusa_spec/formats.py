@@ -60,6 +60,7 @@ def detect_format(path: str | Path) -> str:
 
 def read_heads(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Config and state dict, in medusa_spec's layout, of the heads in `path`, whichever format it holds."""
+    io.finish_interrupted_save(path)  # a save killed midway may have left part of its files to move into place
     reader = {"medusa_spec": io.load_adapter, "medusa": read_medusa, "vllm": read_vllm}[detect_format(path)]
     return reader(path)
 

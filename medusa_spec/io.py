@@ -1,10 +1,20 @@
-"""Adapter files: medusa_config.json + medusa_heads.safetensors (+ lora/ for Medusa-2), written atomically."""
+"""Adapter files: medusa_config.json + medusa_heads.safetensors (+ lora/ for Medusa-2), saved crash-safely.
+
+A save writes the complete new files into a staging folder inside the adapter folder, fsyncs them, and commits
+with one rename of that folder; only then are the files moved into place, one by one. A kill before the commit
+leaves the old adapter; a kill after it leaves the commit folder, whose manifest lets the next save or load
+finish the moves. So a load always sees one whole adapter, old or new, and the folder keeps its plain layout.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,81 +27,169 @@ from torch import nn
 from .config import CONFIG_NAME, MedusaConfig
 from .heads import MedusaHeads
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so a load there may clear the staging folder of a save still running
+    fcntl = None
+
 WEIGHTS_NAME = "medusa_heads.safetensors"
 # Medusa-2: the LoRA adapter trained into the base model, in peft's own save_pretrained layout.
 LORA_DIR = "lora"
+# Folders a save keeps inside the adapter folder while it runs: being written, committed, being deleted.
+STAGING, COMMITTED, DONE = ".medusa-saving-", ".medusa-commit-", ".medusa-done-"
+# Inside a commit folder: the names the save manages and the ones it wrote; and where replaced folders go.
+MANIFEST, REPLACED = ".manifest.json", ".replaced"
 
 
 @contextmanager
 def staged_save(path: str | Path, names: tuple[str, ...]) -> Iterator[Path]:
-    """Yield an empty folder to write into; when the block ends, move each of `names` from it into `path`,
-    all or nothing. A name the block did not write is removed from `path` (a stale file must not pair with
-    new ones); other files in `path` are left alone.
+    """Yield an empty folder to write into; when the block ends, each of `names` it wrote replaces the one in
+    `path`, and each it did not write is removed from `path` (a stale file must not pair with new ones), all
+    or nothing, even if the process is killed. Other files in `path` are left alone.
 
-    The slow writing happens under temporary names, and a failure while moving puts the previous files back,
-    so an interrupted save leaves the previous adapter loadable.
+    An exclusive lock on `path` keeps a second save (or a load clearing leftovers) out until this one is done.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # Inside `path`: the same filesystem, so each move is an atomic rename.
-    tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=path))
+    with _folder_lock(path, wait=True):
+        _finish_interrupted(path)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=path))  # inside `path`: renames stay atomic
+        committed = path / (COMMITTED + staging.name.removeprefix(STAGING))
+        try:
+            yield staging
+            written = [name for name in names if (staging / name).exists()]
+            (staging / MANIFEST).write_text(json.dumps({"names": list(names), "written": written}), encoding="utf-8")
+            _fsync_tree(staging)  # the files' contents must be on disk before the rename that commits them
+            os.replace(staging, committed)  # the commit: from here on the new adapter is the one that loads
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _fsync_dir(path)
+        _move_into_place(committed, path)
+
+
+def finish_interrupted_save(path: str | Path) -> None:
+    """Finish the moves of a save to `path` that was killed after its commit, and remove what a killed save
+    left; call before reading the folder. Without leftovers (the usual case) it writes nothing, so read-only
+    folders load."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    for old in path.glob(".saving-*"):
+        warnings.warn(f"{old} was left by a save that an older medusa_spec did not finish, and may hold the previous "
+                      f"adapter's files (in previous/); check that the adapter in {path} is the one you expect, "
+                      f"then delete {old}", stacklevel=3)
+    commits = list(path.glob(COMMITTED + "*"))
+    if not commits and not any(path.glob(STAGING + "*")) and not any(path.glob(DONE + "*")):
+        return
+    # A save running now holds the lock. If a commit folder exists it is moving files into place, which takes
+    # moments: wait for it. Otherwise it is still writing its staging folder, which must not be removed.
+    with _folder_lock(path, wait=bool(commits)) as held:
+        if held:
+            _finish_interrupted(path)
+
+
+def _finish_interrupted(path: Path) -> None:
+    for committed in path.glob(COMMITTED + "*"):
+        try:
+            _move_into_place(committed, path)
+        except PermissionError as err:
+            raise PermissionError(f"{path} holds a save that was interrupted after it committed ({committed.name}): "
+                                  f"its files are a mix of two saves until the moves are finished, which needs write "
+                                  f"access to {path}; load it once with write access, or save the adapter again"
+                                  ) from err
+    for leftover in (*path.glob(STAGING + "*"), *path.glob(DONE + "*")):
+        # Nothing reads these; one that cannot be removed now is removed by the next save.
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _move_into_place(committed: Path, path: Path) -> None:
+    """Move the files of a committed save into `path`. Each step can be repeated after a kill: a written name
+    missing from `committed` was moved already."""
+    manifest = json.loads((committed / MANIFEST).read_text(encoding="utf-8"))
+    replaced = committed / REPLACED
+    replaced.mkdir(exist_ok=True)
+    for name in manifest["names"]:
+        new, target, write = committed / name, path / name, name in manifest["written"]
+        if write and not new.exists():
+            continue
+        if target.is_dir():
+            # A folder can neither be replaced nor removed in one step: set it aside, to be deleted with `committed`.
+            os.replace(target, replaced / name)
+        elif not write:
+            target.unlink(missing_ok=True)
+        if write:
+            os.replace(new, target)
+    _fsync_dir(path)
+    # Renamed before deleting: a half-deleted folder must not pass for a commit still to finish.
+    done = path / (DONE + committed.name.removeprefix(COMMITTED))
+    os.replace(committed, done)
+    shutil.rmtree(done, ignore_errors=True)
+
+
+@contextmanager
+def _folder_lock(path: Path, wait: bool) -> Iterator[bool]:
+    """An exclusive flock on the folder itself (no lock file to leave behind); yields whether it is held. The
+    kernel drops it when its holder dies, so a killed save never blocks the next."""
+    if fcntl is None:
+        yield True
+        return
+    fd = os.open(path, os.O_RDONLY)
     try:
-        staged, previous = tmp / "new", tmp / "previous"
-        staged.mkdir()
-        previous.mkdir()
-        yield staged
-        _swap_in(staged, path, names, previous)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+        else:
+            yield True
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)  # releases the lock
 
 
-def _swap_in(staged: Path, path: Path, names: tuple[str, ...], previous: Path) -> None:
-    placed = []
+def _fsync_tree(folder: Path) -> None:
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames in `folder` durable."""
+    if os.name == "nt":  # Windows cannot open a folder; NTFS journals its renames itself
+        return
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        for name in names:
-            new, old = staged / name, path / name
-            if old.is_file() and new.is_file():
-                # Keep the old file in place (readers never find it missing) until os.replace swaps in the new one.
-                try:
-                    os.link(old, previous / name)
-                except OSError:  # a filesystem without hard links
-                    shutil.copy2(old, previous / name)
-            elif old.exists():
-                # A folder cannot be replaced in one step, and a file with no new version must go.
-                os.replace(old, previous / name)
-            if new.exists():
-                os.replace(new, old)
-                placed.append(name)
-    except BaseException:
-        for name in placed:
-            _remove(path / name)
-        for saved in previous.iterdir():
-            os.replace(saved, path / saved.name)
-        raise
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+def sha256_file(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def save_adapter(path: str | Path, config: MedusaConfig, state_dict: Mapping[str, torch.Tensor],
                  lora: nn.Module | None = None) -> None:
     """Write medusa_config.json + medusa_heads.safetensors and, for Medusa-2, `lora` (a peft model) under lora/,
-    atomically (see staged_save). Saving without `lora` removes one left by an earlier save, so new heads are
-    never loaded with a stale LoRA adapter."""
+    crash-safely (see staged_save), the weights' sha256 recorded in the config. Saving without `lora` removes one
+    left by an earlier save, so new heads are never loaded with a stale LoRA adapter."""
     with staged_save(path, (LORA_DIR, WEIGHTS_NAME, CONFIG_NAME)) as staged:
         save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(staged / WEIGHTS_NAME),
                   metadata={"format": "pt"})
+        config = dataclasses.replace(config, weights_sha256=sha256_file(staged / WEIGHTS_NAME))
         config.to_json_file(staged / CONFIG_NAME)
         if lora is not None:
             lora.save_pretrained(str(staged / LORA_DIR))
 
 
 def load_adapter(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
-    """Read an adapter written by save_adapter; the weights are checked against the config."""
+    """Read an adapter written by save_adapter; the weights are checked against the config (shapes, and the
+    sha256 where the config records one)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no adapter folder at {path}; save one with MedusaModel.save_heads({str(path)!r})")
@@ -104,6 +202,10 @@ def load_adapter(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor
     state_dict = read_safetensors(weights_file)
     check_weights(expected_shapes(config, config_file), state_dict, weights_file,
                   fix=f"it and {CONFIG_NAME} come from different saves; re-save the adapter with save_heads()")
+    if config.weights_sha256 is not None and sha256_file(weights_file) != config.weights_sha256:
+        raise ValueError(f"{weights_file} does not match the sha256 recorded in {config_file}: the two files come from "
+                         f"different saves, or the weights were changed after saving; copy both files from one save, "
+                         f"or re-save the adapter with save_heads()")
     return config, state_dict
 
 

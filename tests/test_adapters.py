@@ -3,6 +3,9 @@
 import argparse
 import json
 import os
+import shutil
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,10 +225,11 @@ def test_interrupted_weights_write_leaves_old_adapter(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["medusa_config.json", "medusa_heads.safetensors"]
 
 
-@pytest.mark.parametrize("failing_move", [1, 2])  # 1: the weights' move into place; 2: the config's, after it
-def test_interrupted_moves_leave_old_adapter(tmp_path, monkeypatch, failing_move):
+@pytest.mark.parametrize("failing_move", [1, 2])  # 1: the commit (renaming the staged folder); 2: a move after it
+def test_failed_moves_leave_old_or_new_adapter(tmp_path, monkeypatch, failing_move):
     old = random_medusa(tiny_base(), seed=1, metrics={"run": "old"})
     old.save_heads(tmp_path)
+    new = random_medusa(tiny_base(), seed=2, num_heads=2, metrics={"run": "new"})
     real_replace, calls = os.replace, []
 
     def flaky_replace(src, dst):
@@ -236,13 +240,129 @@ def test_interrupted_moves_leave_old_adapter(tmp_path, monkeypatch, failing_move
 
     monkeypatch.setattr(os, "replace", flaky_replace)
     with pytest.raises(OSError, match="interrupted"):
-        random_medusa(tiny_base(), seed=2, num_heads=2, metrics={"run": "new"}).save_heads(tmp_path)
+        new.save_heads(tmp_path)
     monkeypatch.undo()
 
+    # Before the commit the save never happened; after it the load finishes the moves.
     loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path)
-    assert loaded.config.metrics == {"run": "old"}
-    assert_same_heads(loaded, old)
+    assert_same_heads(loaded, old if failing_move == 1 else new)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["medusa_config.json", "medusa_heads.safetensors"]
+
+
+# Functions through which a save changes the file tree; the kill test stops a save after each call.
+TREE_CHANGES = ("mkdir", "replace", "rename", "unlink", "remove", "rmdir")
+
+
+class FakeLora:
+    """Stands in for a peft model: writes a lora/ folder whose tensor says which save wrote it."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def save_pretrained(self, folder):
+        os.mkdir(folder)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump({"run": self.run}, f)
+        save_file({"run": torch.tensor([self.run])}, os.path.join(folder, "adapter_model.safetensors"))
+
+
+def save_in_child(path, model, lora, kill_after):
+    """Save in a forked child that SIGKILLs itself right after its `kill_after`-th change to the file tree;
+    returns True if it was killed, False if the save finished first."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            steps = iter(range(1, kill_after + 1))
+
+            def stop_after(change):
+                def changed(*args, **kwargs):
+                    result = change(*args, **kwargs)
+                    if next(steps, None) == kill_after:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return result
+                return changed
+
+            for name in TREE_CHANGES:  # this process's own os module: the parent is untouched
+                setattr(os, name, stop_after(getattr(os, name)))
+            medusa_spec.io.save_adapter(path, model.config, model.heads.state_dict(), lora=lora)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) in (0, -signal.SIGKILL), "the save failed in the child"
+    return os.waitstatus_to_exitcode(status) != 0
+
+
+def read_adapter(path):
+    """(run, heads' state dict, run of the lora/ folder or None) as a load sees the folder."""
+    config, state_dict = read_heads(path)
+    lora = None
+    if (path / "lora").exists():
+        config_run = json.loads((path / "lora" / "adapter_config.json").read_text())["run"]
+        weights_run = int(load_file(path / "lora" / "adapter_model.safetensors")["run"])
+        assert config_run == weights_run, "lora/ mixes two saves"
+        lora = config_run
+    return config.metrics["run"], state_dict, lora
+
+
+USER_FILES = ["checkpoints", "train_log.jsonl"]  # what else training keeps in the adapter folder
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("old_lora, new_lora", [(False, False), (True, True), (True, False), (False, True)])
+def test_save_killed_at_any_step_leaves_old_or_new_adapter(tmp_path, old_lora, new_lora):
+    # Same shapes, other values: a mix of the two loads silently unless something catches it.
+    versions = {run: random_medusa(tiny_base(), seed=run, num_heads=2, metrics={"run": run}) for run in (1, 2, 3)}
+    loras = {1: FakeLora(1) if old_lora else None, 2: FakeLora(2) if new_lora else None}
+    seen, step, killed = [], 0, True
+    while killed:
+        step += 1
+        path = tmp_path / f"step{step}"
+        medusa_spec.io.save_adapter(path, versions[1].config, versions[1].heads.state_dict(), lora=loras[1])
+        (path / "checkpoints").mkdir()
+        (path / "train_log.jsonl").write_text("{}\n")
+
+        killed = save_in_child(path, versions[2], loras[2], kill_after=step)
+        run, state_dict, lora = read_adapter(path)
+        assert lora == (loras[run].run if loras[run] else None), f"step {step}: heads of save {run}, lora/ of {lora}"
+        assert state_dict.keys() == versions[run].heads.state_dict().keys()
+        assert all(torch.equal(value, versions[run].heads.state_dict()[key]) for key, value in state_dict.items()), \
+            f"step {step}: the config of save {run} with other weights"
+        assert not seen or run >= seen[-1], f"step {step}: back to the old adapter after the new one loaded"
+        seen.append(run)
+
+        medusa_spec.io.save_adapter(path, versions[3].config, versions[3].heads.state_dict())
+        assert sorted(p.name for p in path.iterdir()) == sorted(
+            ["medusa_config.json", "medusa_heads.safetensors", *USER_FILES]), f"step {step}: leftovers"
+        assert read_adapter(path)[0] == 3
+    assert seen[0] == 1 and seen[-1] == 2  # the kills fell on both sides of the commit
+
+
+def test_weights_from_another_save_are_an_error(tmp_path):
+    random_medusa(tiny_base(), seed=1).save_heads(tmp_path / "a")
+    random_medusa(tiny_base(), seed=2).save_heads(tmp_path / "b")
+    shutil.copy(tmp_path / "b" / "medusa_heads.safetensors", tmp_path / "a")  # same shapes, other weights
+    with pytest.raises(ValueError, match=r"medusa_heads.safetensors does not match the sha256 recorded in .*a/"
+                                         r"medusa_config.json: the two files come from different saves"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path / "a")
+
+
+def test_adapters_without_a_checksum_load(tmp_path):
+    model = random_medusa(tiny_base())
+    model.save_heads(tmp_path)
+    assert len(json.loads((tmp_path / "medusa_config.json").read_text())["weights_sha256"]) == 64
+    edit_config(tmp_path, lambda config: config.pop("weights_sha256"))  # as saved before checksums
+    assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path), model)
+
+
+def test_shipped_heads_read_unchanged():
+    shipped = Path(__file__).parent.parent / "heads" / "smollm2-135m-instruct"
+    before = {p.name: p.stat().st_mtime_ns for p in shipped.iterdir()}
+    config, state_dict = read_heads(shipped)
+    assert (config.num_heads, config.draft_vocab_size, config.weights_sha256) == (3, 4096, None)
+    assert "token_map" in state_dict
+    assert {p.name: p.stat().st_mtime_ns for p in shipped.iterdir()} == before  # a load writes nothing
 
 
 # --- original Medusa format ---------------------------------------------------------------------------------------
@@ -424,16 +544,11 @@ def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="lora must be the peft model wrapping this MedusaModel's base_model"):
         random_medusa(tiny_base()).save_heads(tmp_path / "other", lora=lora)
 
-    # An interrupted heads-only save restores the LoRA adapter with the old heads.
-    real_replace, calls = os.replace, []
+    # A heads-only save that fails before its commit leaves the LoRA adapter with the old heads.
+    def failing_replace(src, dst):
+        raise OSError("interrupted")
 
-    def flaky_replace(src, dst):
-        calls.append(dst)
-        if len(calls) == 3:  # 1: the old lora/ set aside, 2: the weights, 3: the config
-            raise OSError("interrupted")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", flaky_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(OSError, match="interrupted"):
         random_medusa(tiny_base(), seed=2).save_heads(tmp_path)
     monkeypatch.undo()
@@ -447,3 +562,4 @@ def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
     (tmp_path / "lora").mkdir()
     with pytest.raises(FileNotFoundError, match="lora has no adapter_config.json"):
         MedusaModel.from_pretrained(tiny_base(), tmp_path)
+

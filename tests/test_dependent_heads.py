@@ -213,6 +213,9 @@ def test_out_of_range_token_map_is_refused_on_load(tmp_path):
 
     model = tiny_model("llama")
     random_heads(model, num_heads=2, draft_vocab_size=10).save_heads(tmp_path)
+    config = json.loads((tmp_path / "medusa_config.json").read_text())
+    del config["weights_sha256"]  # as saved before checksums, which would catch the edits below first
+    (tmp_path / "medusa_config.json").write_text(json.dumps(config))
     weights = load_file(tmp_path / "medusa_heads.safetensors")
     weights["token_map"][0] = VOCAB + 5
     save_file(weights, tmp_path / "medusa_heads.safetensors")

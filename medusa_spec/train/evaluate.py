@@ -14,7 +14,7 @@ import torch
 
 from ..autotree import expected_tokens_per_step
 from ..config import CONFIG_NAME, MedusaConfig
-from ..io import staged_save
+from ..io import finish_interrupted_save, staged_save
 from ..tree import grow_tree
 from .data import collate
 from .loss import target_mask
@@ -84,6 +84,7 @@ def calibrate_tree(adapter_dir: str | Path, num_nodes: int, eval_metrics: dict |
     """Grow the tree of `num_nodes` nodes (root included) from measured rank accuracies and store it
     as the adapter's default tree, rewriting only its medusa_config.json (atomically).
     `eval_metrics`: fresh measurements (stored too), else those saved by training."""
+    finish_interrupted_save(adapter_dir)  # else a save killed midway could pair this config with other weights
     path = Path(adapter_dir) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; point --adapter at a folder written by `medusa-spec train`")
