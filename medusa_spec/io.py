@@ -241,15 +241,75 @@ def check_weights(expected: Mapping[str, torch.Size], state_dict: Mapping[str, t
         raise ValueError(f"{source}: {'; '.join(problems[:5])}{'; ...' if len(problems) > 5 else ''}; {fix}")
 
 
+def check_token_map(token_map: torch.Tensor, vocab_size: int, source: str) -> None:
+    """A token map (draft index -> token id) must hold distinct ids of the base vocabulary."""
+    if token_map.dtype not in (torch.int32, torch.int64) or token_map.dim() != 1:
+        raise ValueError(f"{source}: token_map must be a 1-D integer tensor of token ids, got {token_map.dtype} "
+                         f"{tuple(token_map.shape)}; re-save the heads")
+    if token_map.numel() and (int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size):
+        raise ValueError(f"{source}: token_map holds ids outside the base vocabulary [0, {vocab_size}); these heads "
+                         f"belong to another model")
+    if token_map.unique().numel() != token_map.numel():
+        raise ValueError(f"{source}: token_map repeats token ids; each draft index must map to a distinct token")
+
+
 def load_lora(base_model: nn.Module, path: str | Path) -> nn.Module:
-    """The model to run: `base_model` with the Medusa-2 LoRA adapter saved under `path`/lora applied through
-    peft (which injects its layers into `base_model` itself), or `base_model` as is when there is none."""
+    """Apply the Medusa-2 LoRA adapter saved under `path`/lora to `base_model` in place, through peft, and
+    return `base_model`; without lora/ it is left as is. A LoRA already in `base_model` (from an earlier load)
+    is replaced, not stacked under the new one; if peft fails, `base_model` is put back as it was."""
     lora_dir = Path(path) / LORA_DIR
     if not lora_dir.exists():
         return base_model
     if not (lora_dir / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{lora_dir} has no adapter_config.json, so it is not a peft adapter; re-save with "
                                 f"save_heads(path, lora=peft_model), or delete {lora_dir} to load the heads alone")
+    weights = lora_dir / "adapter_model.safetensors"
+    if weights.is_file():
+        read_safetensors(weights)  # a clear error for a damaged file, before peft changes base_model
     from peft import PeftModel  # imported here: peft is slow to import and only Medusa-2 adapters need it
 
-    return PeftModel.from_pretrained(base_model, str(lora_dir)).get_base_model()
+    before = _module_state(base_model)
+    try:
+        _remove_lora(base_model)
+        PeftModel.from_pretrained(base_model, str(lora_dir))  # injects its layers into base_model itself
+    except BaseException as err:
+        _restore_module_state(before)
+        if isinstance(err, Exception):
+            raise ValueError(f"{lora_dir}: peft could not apply this LoRA adapter to the base model ({err}); it "
+                             f"belongs to another base model or is damaged: re-save it with save_heads(path, "
+                             f"lora=peft_model), or delete {lora_dir} to load the heads alone") from err
+        raise
+    return base_model
+
+
+def _module_state(model: nn.Module) -> tuple[list, list]:
+    """What loading a peft adapter changes in `model`: each module's attributes (peft_config) and submodules
+    (the wrapped layers), and which parameters train."""
+    return ([(module, dict(vars(module)), dict(module._modules)) for module in model.modules()],
+            [(param, param.requires_grad) for param in model.parameters()])
+
+
+def _restore_module_state(state: tuple[list, list]) -> None:
+    modules, params = state
+    for module, attributes, children in modules:
+        vars(module).clear()
+        vars(module).update(attributes)
+        module._modules.clear()
+        module._modules.update(children)
+    for param, requires_grad in params:
+        param.requires_grad_(requires_grad)
+
+
+def _remove_lora(module: nn.Module) -> None:
+    """Put back the layers peft wrapped, as PeftModel.unload() does, for a model whose PeftModel is gone."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, child in list(module.named_children()):
+        if hasattr(child, "unload_and_optionally_merge_module"):  # layers with their own unloading, as in peft
+            setattr(module, name, child.unload_and_optionally_merge_module(merge=False, safe_merge=False,
+                                                                           adapter_names=None))
+        elif isinstance(child, BaseTunerLayer):
+            setattr(module, name, child.get_base_layer())
+        else:
+            _remove_lora(child)
+    vars(module).pop("peft_config", None)  # peft's record of the adapters it injected, on the model it wrapped

@@ -50,21 +50,24 @@ class MedusaModel(nn.Module):
         """Load heads onto `base_model` from `path`, saved by `save_heads` or in the original Medusa or vLLM
         format (detected from the files); sizes are checked against the base model.
 
-        A Medusa-2 LoRA adapter saved beside the heads (lora/) is applied to `base_model` in place, through peft.
+        A Medusa-2 LoRA adapter saved beside the heads (lora/) is applied to `base_model` in place, through peft,
+        replacing one an earlier load applied. Everything else is checked first and a LoRA that fails to load is
+        undone, so a load that fails leaves `base_model` as it was.
         """
-        config, state_dict = formats.read_heads(path)
         spec = inspect_base_model(base_model)
+        config, state_dict = formats.read_heads(path)
         _check_sizes(config, spec, source=str(path))
         # Compared by last path component: the same model is "org/name" on a hub and ".../name" on disk.
         if (config.base_model_name_or_path and spec.name_or_path
                 and Path(config.base_model_name_or_path).name.lower() != Path(spec.name_or_path).name.lower()):
             warnings.warn(f"heads in {path} were trained for {config.base_model_name_or_path!r}, "
                           f"not {spec.name_or_path!r}: acceptance may be poor", stacklevel=2)
-        model = cls.from_base(io.load_lora(base_model, path), config)
         if "token_map" in state_dict:
-            _check_token_map(state_dict["token_map"], spec.vocab_size, source=str(path))
+            io.check_token_map(state_dict["token_map"], spec.vocab_size, source=str(path))
+        model = cls.from_base(base_model, config)
         model.heads.load_state_dict(state_dict)  # names and shapes were checked against the config when read
-        model.heads.bind_lm_head(model.base_model.get_output_embeddings())
+        io.load_lora(base_model, path)  # last: the one step that changes base_model
+        model.heads.bind_lm_head(base_model.get_output_embeddings())
         return model
 
     def save_heads(self, path: str | Path, lora: nn.Module | None = None) -> None:
@@ -115,17 +118,6 @@ class MedusaModel(nn.Module):
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
         return generate(self.base_model, self.spec, self.heads, self.tree(tree), input_ids, attention_mask,
                         max_new_tokens, sampling, eos, pad, streamer, lookup_tokens, documents)
-
-
-def _check_token_map(token_map: torch.Tensor, vocab_size: int, source: str) -> None:
-    if token_map.dtype not in (torch.int32, torch.int64) or token_map.dim() != 1:
-        raise ValueError(f"{source}: token_map must be a 1-D integer tensor of token ids, got {token_map.dtype} "
-                         f"{tuple(token_map.shape)}; re-save the heads")
-    if token_map.numel() and (int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size):
-        raise ValueError(f"{source}: token_map holds ids outside the base vocabulary [0, {vocab_size}); these heads "
-                         f"belong to another model")
-    if token_map.unique().numel() != token_map.numel():
-        raise ValueError(f"{source}: token_map repeats token ids; each draft index must map to a distinct token")
 
 
 def _check_sizes(config: MedusaConfig, spec, source: str) -> None:

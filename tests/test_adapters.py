@@ -563,3 +563,93 @@ def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="lora has no adapter_config.json"):
         MedusaModel.from_pretrained(tiny_base(), tmp_path)
 
+
+
+def medusa2_adapter(path, targets, seed, **config):
+    """Save heads and a LoRA on `targets` that changes the base model's outputs (random, not zero-initialised)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    lora = get_peft_model(tiny_base(), LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    lora.eval()
+    model = random_medusa(lora.get_base_model(), seed=seed, num_heads=2, **config)
+    model.save_heads(path, lora=lora)
+    return model
+
+
+def base_snapshot(base):
+    """All a load could change in `base`: module types, attributes, weights, which train, and the outputs."""
+    with torch.no_grad():
+        logits = base(PROMPT).logits
+    return {"modules": [(name, type(module)) for name, module in base.named_modules()],
+            "attributes": sorted(vars(base)), "trains": [(n, p.requires_grad) for n, p in base.named_parameters()],
+            "state": {k: v.clone() for k, v in base.state_dict().items()}, "logits": logits}
+
+
+def assert_same_base(a, b):
+    assert a.keys() == b.keys()
+    for key in ("modules", "attributes", "trains"):
+        assert a[key] == b[key], key
+    assert a["state"].keys() == b["state"].keys()
+    assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"]), "weights differ"
+    assert torch.equal(a["logits"], b["logits"])
+
+
+def break_token_map(path):
+    state_dict = load_file(path / "medusa_heads.safetensors")
+    state_dict["token_map"][0] = 70  # outside the vocabulary of 64
+    save_file(state_dict, str(path / "medusa_heads.safetensors"))
+    edit_config(path, lambda config: config.pop("weights_sha256"))  # as an adapter saved before checksums
+
+
+def break_lora_weights(path):
+    weights = path / "lora" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+
+
+def break_lora_rank(path):
+    edit_lora_config(path, lambda config: config.update(r=2))  # the weights have rank 4: peft fails after injecting
+
+
+def break_lora_targets(path):
+    edit_lora_config(path, lambda config: config.update(target_modules=["no_such_proj"]))
+
+
+def edit_lora_config(path, edit):
+    config = json.loads((path / "lora" / "adapter_config.json").read_text())
+    edit(config)
+    (path / "lora" / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("preloaded", [False, True], ids=["plain-base", "base-with-an-earlier-lora"])
+@pytest.mark.parametrize("break_adapter, error", [
+    (break_token_map, "token_map holds ids outside the base vocabulary"),
+    (break_lora_weights, "adapter_model.safetensors is truncated or corrupt"),
+    (break_lora_rank, "(?s)lora: peft could not apply this LoRA adapter.*size mismatch"),
+    (break_lora_targets, "lora: peft could not apply .*no_such_proj"),
+], ids=["token-map", "lora-weights", "lora-rank", "lora-targets"])
+def test_failed_load_leaves_the_base_model_as_it_was(tmp_path, preloaded, break_adapter, error):
+    medusa2_adapter(tmp_path / "good", ["q_proj", "v_proj"], seed=4)
+    medusa2_adapter(tmp_path / "bad", ["k_proj", "v_proj"], seed=5, draft_vocab_size=8)
+    break_adapter(tmp_path / "bad")
+    base = tiny_base()
+    if preloaded:
+        MedusaModel.from_pretrained(base, tmp_path / "good")
+    before = base_snapshot(base)
+    with pytest.raises(Exception, match=error):
+        MedusaModel.from_pretrained(base, tmp_path / "bad")
+    assert_same_base(base_snapshot(base), before)
+
+
+def test_second_load_replaces_the_lora(tmp_path, recwarn):
+    medusa2_adapter(tmp_path / "a", ["q_proj", "v_proj"], seed=4)
+    medusa2_adapter(tmp_path / "b", ["k_proj", "o_proj"], seed=5)
+    for first, second in [("a", "a"), ("a", "b")]:
+        once = MedusaModel.from_pretrained(tiny_base(), tmp_path / second)
+        base = tiny_base()
+        MedusaModel.from_pretrained(base, tmp_path / first)
+        twice = MedusaModel.from_pretrained(base, tmp_path / second)
+        assert_same_base(base_snapshot(twice.base_model), base_snapshot(once.base_model))
+        assert_same_heads(twice, once)
+        assert torch.equal(greedy(twice)[0], greedy(once)[0])
+    assert not [w for w in recwarn if "multiple adapters" in str(w.message)]  # peft's warning about stacking
