@@ -58,11 +58,15 @@ def detect_format(path: str | Path) -> str:
         f"(vLLM)")
 
 
-def read_heads(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
-    """Config and state dict, in medusa_spec's layout, of the heads in `path`, whichever format it holds."""
+def read_heads(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """Config and state dict, in medusa_spec's layout, of the heads in `path`, whichever format it holds.
+    `base_lm_head`, the base model's output embeddings, is needed for a vLLM checkpoint that carries a copy of
+    it (see read_vllm)."""
     io.finish_interrupted_save(path)  # a save killed midway may have left part of its files to move into place
-    reader = {"medusa_spec": io.load_adapter, "medusa": read_medusa, "vllm": read_vllm}[detect_format(path)]
-    return reader(path)
+    fmt = detect_format(path)
+    if fmt == "vllm":
+        return read_vllm(path, base_lm_head)
+    return io.load_adapter(path) if fmt == "medusa_spec" else read_medusa(path)
 
 
 def read_medusa(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
@@ -85,10 +89,12 @@ def read_medusa(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]
         name=lambda key: _to_medusa_key(key, num_layers))
 
 
-def read_vllm(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+def read_vllm(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read vLLM's Medusa layout: config.json (model_type "medusa") and *.safetensors with
     `blocks.{h}.layers.{l}.weight|bias` and `lm_heads.{h}.weight`, or with original_lm_head a single
-    `lm_head.weight`, a copy of the base model's, which medusa_spec takes from the base model instead."""
+    `lm_head.weight`, a copy of the base model's LM head: medusa_spec uses `base_lm_head` itself, after checking
+    that the copy equals it. With a `token_map`, vLLM keeps only the map's rows of a projection or LM head
+    that holds the full vocabulary, and so does this reader."""
     path = Path(path)
     meta = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
     files = sorted(path.glob("*.safetensors"))
@@ -102,14 +108,45 @@ def read_vllm(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     if "token_map" in tensors and meta.get("vocab_size") is None:
         raise ValueError(f"{path}: heads with a token_map need the full vocab_size in {HF_CONFIG}; add the base "
                          f"model's vocab_size there")
+    source = files[0] if len(files) == 1 else path
+    token_map = tensors.get("token_map")
+    if token_map is not None:
+        io.check_token_map(token_map, meta["vocab_size"], source)  # before it indexes rows below
+        token_map = token_map.long()
     if meta.get("original_lm_head"):
-        # vLLM also accepts the shared LM head under lm_heads.0.weight.
-        tensors.pop("lm_head.weight", None)
-        tensors.pop("lm_heads.0.weight", None)
-    return _heads_from_weights(tensors, files[0] if len(files) == 1 else path,
+        for key in ("lm_head.weight", "lm_heads.0.weight"):  # vLLM also takes the shared LM head under the second
+            if key in tensors:
+                _check_lm_head_copy(tensors.pop(key), key, base_lm_head, token_map, source)
+    elif token_map is not None:
+        for key, tensor in list(tensors.items()):
+            if _PROJECTION_KEY.fullmatch(key) and tensor.shape[0] == meta["vocab_size"] != token_map.numel():
+                tensors[key] = tensor[token_map]
+    return _heads_from_weights(tensors, source,
                                stated={"heads": meta.get("num_heads"), "layers": meta.get("num_hidden_layers")},
                                base_model_name_or_path=meta.get("base_model_name_or_path"),
                                full_vocab_size=meta.get("vocab_size"))
+
+
+def _check_lm_head_copy(copy: torch.Tensor, key: str, base_lm_head: nn.Module | None, token_map: torch.Tensor | None,
+                        source) -> None:
+    """The vLLM checkpoint's copy of the base LM head (all rows, or the token map's) must be the base's own."""
+    if base_lm_head is None:
+        raise ValueError(f"{source} holds {key}, its own copy of the base model's LM head (original_lm_head), which "
+                         f"must be checked against the base model's; pass the base model (convert(..., base_model=...), "
+                         f"--base-model PATH)")
+    expected = base_lm_head.weight.detach()
+    if token_map is not None and copy.shape[0] != expected.shape[0]:
+        expected = expected[token_map.to(expected.device)]
+    if copy.shape != expected.shape:
+        raise ValueError(f"{source}: {key} has shape {tuple(copy.shape)} but the base model's LM head (its token-map "
+                         f"rows, with a token_map) has {tuple(expected.shape)}; these heads belong to another model")
+    # A copy saved in another precision is the same LM head when both agree at the coarser of the two.
+    coarser = max(copy.dtype, expected.dtype, key=lambda dtype: torch.finfo(dtype).eps)
+    if not torch.equal(copy.to(expected.device, coarser), expected.to(coarser)):
+        raise ValueError(f"{source}: {key}, the LM head vLLM drafts with (original_lm_head), differs from this base "
+                         f"model's LM head, so these heads would draft other tokens here than in vLLM; load them onto "
+                         f"the base model they were trained with, or, to keep that LM head, store it as every head's "
+                         f"own lm_heads.{{h}}.weight with original_lm_head false")
 
 
 def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, base_model_name_or_path,
@@ -210,13 +247,13 @@ def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, t
 
 
 def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, torch.Tensor],
-               base_lm_head: torch.Tensor | None = None) -> None:
+               base_lm_head: nn.Module | None = None) -> None:
     """Write vLLM's Medusa layout (config.json + model.safetensors), atomically.
 
     vLLM (model_executor/models/medusa.py) builds `num_heads` blocks of `num_hidden_layers` Linear layers, with
     biases only when medusa_fc_bias is true, and per-head `lm_heads.{h}.weight`; with original_lm_head it builds
-    one `lm_head` for all heads and loads it from this checkpoint, so shared-LM-head heads need `base_lm_head`
-    [V, H], the base model's LM head weight, copied in.
+    one `lm_head` (weight only) for all heads and loads it from this checkpoint, so shared-LM-head heads need
+    `base_lm_head`, the base model's output embeddings, whose weight [V, H] is copied in; a bias is refused.
     """
     _refuse_unsupported(config, path, "vLLM's Medusa format", token_map_ok=True)
     tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
@@ -224,6 +261,11 @@ def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, tor
         if base_lm_head is None:
             raise ValueError(f"{path}: vLLM's format stores the LM head these heads share (lm_head.weight); pass "
                              f"base_model= (medusa-spec convert --base-model PATH) to copy it from the base model")
+        if base_lm_head.bias is not None and bool(base_lm_head.bias.any()):
+            raise ValueError(f"{path}: the base model's LM head has a bias, which vLLM's Medusa LM head (lm_head.weight "
+                             f"only) cannot hold, so vLLM would draft other tokens than these heads; keep them in "
+                             f"medusa_spec's format (--to medusa_spec)")
+        base_lm_head = base_lm_head.weight
         if config.hidden_size is not None and base_lm_head.shape[1] != config.hidden_size:
             raise ValueError(f"{path}: the base LM head has hidden size {base_lm_head.shape[1]} but the heads have "
                              f"{config.hidden_size}; pass the base model the heads were trained for")
@@ -262,21 +304,22 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
     "medusa" (original) or "vllm".
 
     `base_model`, a path or a loaded model, supplies the LM head that vLLM's format stores for shared-LM-head
-    heads and the sizes a "version 2" Medusa checkpoint does not record, and is checked against the heads.
-    A Medusa-2 LoRA adapter is not converted: the other formats hold heads only.
+    heads and the sizes a "version 2" Medusa checkpoint does not record, and is checked against the heads (and
+    against the LM head copy a vLLM checkpoint carries, which needs it). A Medusa-2 LoRA adapter is not
+    converted: the other formats hold heads only.
     """
     if to not in FORMATS:
         raise ValueError(f"unknown format {to!r}; choose one of {', '.join(FORMATS)}")
-    config, state_dict = read_heads(src_dir)
+    if isinstance(base_model, (str, Path)):
+        from transformers import AutoModelForCausalLM  # only this path needs to load a model
+
+        base_model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype="auto")
+    base_lm_head = base_model.get_output_embeddings() if base_model is not None else None
+    config, state_dict = read_heads(src_dir, base_lm_head)
     if (Path(src_dir) / io.LORA_DIR).exists():
         warnings.warn(f"{Path(src_dir) / io.LORA_DIR} (a LoRA adapter for the base model) is not converted; merge it "
                       f"into the base model to serve it with an engine", stacklevel=2)
-    base_lm_head = None
     if base_model is not None:
-        if isinstance(base_model, (str, Path)):
-            from transformers import AutoModelForCausalLM  # only this path needs to load a model
-
-            base_model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype="auto")
         spec = inspect_base_model(base_model)
         for key in ("hidden_size", "vocab_size"):
             if getattr(config, key) not in (None, getattr(spec, key)):
@@ -285,7 +328,6 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
                                  f"were trained for")
         config = dataclasses.replace(config, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                                      base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path)
-        base_lm_head = base_model.get_output_embeddings().weight
     if to == "medusa_spec":
         io.save_adapter(dst_dir, config, state_dict)
     elif to == "medusa":

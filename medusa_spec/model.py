@@ -55,7 +55,7 @@ class MedusaModel(nn.Module):
         undone, so a load that fails leaves `base_model` as it was.
         """
         spec = inspect_base_model(base_model)
-        config, state_dict = formats.read_heads(path)
+        config, state_dict = formats.read_heads(path, base_model.get_output_embeddings())
         _check_sizes(config, spec, source=str(path))
         # Compared by last path component: the same model is "org/name" on a hub and ".../name" on disk.
         if (config.base_model_name_or_path and spec.name_or_path

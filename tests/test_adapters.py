@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -469,7 +470,7 @@ def test_vllm_export_matches_vllm_layout(tmp_path, share_lm_head):
     if share_lm_head:
         assert torch.equal(written["lm_head.weight"], base.lm_head.weight)
 
-    config, state_dict = read_heads(tmp_path / "vllm")
+    config, state_dict = read_heads(tmp_path / "vllm", base.lm_head)
     assert (config.num_heads, config.num_layers, config.share_lm_head) == (3, 2, share_lm_head)
     assert state_dict.keys() == heads.keys() and all(torch.equal(state_dict[k], heads[k]) for k in heads)
 
@@ -477,10 +478,10 @@ def test_vllm_export_matches_vllm_layout(tmp_path, share_lm_head):
 def test_vllm_import_without_biases_and_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "num_hidden_layers": 1,
                                                       "medusa_fc_bias": False, "original_lm_head": True}))
-    weight = torch.randn(32, 32)
+    weight, base = torch.randn(32, 32), tiny_base()
     save_file({"medusa_heads.blocks.0.layers.0.weight": torch.randn(32, 32), "medusa_heads.blocks.1.layers.0.weight": weight,
-               "lm_head.weight": torch.randn(64, 32)}, str(tmp_path / "model.safetensors"))
-    config, state_dict = read_heads(tmp_path)
+               "lm_head.weight": base.lm_head.weight.detach().clone()}, str(tmp_path / "model.safetensors"))
+    config, state_dict = read_heads(tmp_path, base.lm_head)
     assert config.share_lm_head and config.num_heads == 2
     assert torch.equal(state_dict["blocks.1.layers.0.weight"], weight)
     assert torch.equal(state_dict["blocks.1.layers.0.bias"], torch.zeros(32))  # bias-free computes the same
@@ -498,6 +499,64 @@ def test_vllm_export_of_shared_heads_needs_the_base_model(tmp_path):
         convert(tmp_path / "own", tmp_path / "tgi", to="tgi")
     with pytest.raises(ValueError, match="heads have hidden_size=32 but the base model .*has 48"):
         convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=tiny_base(hidden_size=48))
+
+
+@pytest.mark.parametrize("key", ["lm_head.weight", "lm_heads.0.weight"])  # vLLM reads either as the shared head
+def test_vllm_import_checks_its_lm_head_copy(tmp_path, key):
+    base = tiny_base()
+    model = random_medusa(base, num_heads=2, share_lm_head=True)
+    model.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=base)
+    weights = tmp_path / "vllm" / "model.safetensors"
+    tensors = load_file(weights)
+    copy = tensors.pop("lm_head.weight")
+    save_file({**tensors, key: copy.to(torch.bfloat16)}, str(weights))  # in another precision: the same LM head
+    assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / "vllm"), model)
+
+    copy[3, 5] += 1.0  # a fine-tuned LM head, or another model's
+    save_file({**tensors, key: copy}, str(weights))
+    with pytest.raises(ValueError, match=rf"model.safetensors: {re.escape(key)}, the LM head vLLM drafts with "
+                                         rf"\(original_lm_head\), differs from this base model's LM head"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path / "vllm")
+    with pytest.raises(ValueError, match=rf"holds {re.escape(key)}, its own copy of the base model's LM head .*pass "
+                                         rf"the base model"):
+        convert(tmp_path / "vllm", tmp_path / "back", to="medusa_spec")
+    save_file({**tensors, "lm_head.weight": copy}, str(weights))
+    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(64, 32\) but the base model's LM head .* has "
+                                         r"\(80, 32\)"):
+        read_heads(tmp_path / "vllm", tiny_base(vocab_size=80).lm_head)
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_vllm_import_takes_the_token_map_rows_of_full_vocabulary_heads(tmp_path, share_lm_head):
+    base = tiny_base()
+    model = random_medusa(base, num_heads=2, share_lm_head=share_lm_head, draft_vocab_size=8)
+    model.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=base)
+    weights = tmp_path / "vllm" / "model.safetensors"
+    tensors = load_file(weights)
+    for key in ["lm_head.weight"] if share_lm_head else ["lm_heads.0.weight", "lm_heads.1.weight"]:
+        # vLLM accepts every row of the vocabulary and keeps the token map's own.
+        full = base.lm_head.weight.detach().clone() if share_lm_head else torch.randn(64, 32)
+        full[tensors["token_map"]] = tensors[key]
+        tensors[key] = full
+    save_file(tensors, str(weights))
+    loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path / "vllm")
+    assert loaded.config.draft_vocab_size == 8
+    assert_same_heads(loaded, model)
+
+
+def test_vllm_export_refuses_a_base_lm_head_bias(tmp_path):
+    base = tiny_base()
+    base.lm_head.bias = nn.Parameter(torch.randn(64))
+    random_medusa(base, share_lm_head=True).save_heads(tmp_path / "shared")
+    with pytest.raises(ValueError, match="the base model's LM head has a bias, which vLLM's Medusa LM head "
+                                         r"\(lm_head.weight only\) cannot hold"):
+        convert(tmp_path / "shared", tmp_path / "vllm", to="vllm", base_model=base)
+    assert not (tmp_path / "vllm").exists()
+    # Heads with their own projections do not use the base LM head: nothing is lost.
+    random_medusa(base, share_lm_head=False).save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=base)
 
 
 def test_convert_command(tmp_path):
@@ -562,7 +621,6 @@ def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
     (tmp_path / "lora").mkdir()
     with pytest.raises(FileNotFoundError, match="lora has no adapter_config.json"):
         MedusaModel.from_pretrained(tiny_base(), tmp_path)
-
 
 
 def medusa2_adapter(path, targets, seed, **config):

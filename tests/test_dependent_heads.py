@@ -177,10 +177,10 @@ def test_token_map_exports_to_vllm_as_truncated_vocabulary(tmp_path, share_lm_he
     convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=model)
     meta = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert (meta["vocab_size"], meta["truncated_vocab_size"]) == (VOCAB, 30)
-    config, state_dict = read_heads(tmp_path / "vllm")
+    config, state_dict = read_heads(tmp_path / "vllm", model.get_output_embeddings())
     assert (config.draft_vocab_size, config.vocab_size, config.share_lm_head) == (30, VOCAB, share_lm_head)
     assert torch.equal(state_dict["token_map"], mm.heads.token_map)
-    convert(tmp_path / "vllm", tmp_path / "back", to="medusa_spec")
+    convert(tmp_path / "vllm", tmp_path / "back", to="medusa_spec", base_model=model)
     back = MedusaModel.from_pretrained(model, tmp_path / "back")
     ids = prompt()
     assert torch.equal(mm.generate(ids, max_new_tokens=12, tree=TREE[:3]).sequences,
