@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import medusa_spec.accept
 import medusa_spec.draft
 import medusa_spec.generate
 from medusa_spec import generate_with_draft, generate_with_lookup, self_draft
@@ -279,8 +280,9 @@ def test_medusa_plus_lookup_sampling_matches_base_distribution(sampling):
 
 
 def test_chi_square_rejects_equal_siblings_left_both_reachable(monkeypatch):
-    """Without the tie-break, a chain and a Medusa node holding the same token are both reached, get
-    independent draws below them, and the deeper walk wins: candidates come out too often."""
+    """Without the tie-breaks (add_chain's, and acceptance's for any repeated sibling), a chain and a Medusa
+    node holding the same token are both reached, get independent draws below them, and the deeper walk
+    wins: candidates come out too often."""
     add_chain = medusa_spec.generate.add_chain
 
     def add_chain_without_tie_break(node_tokens, chain_tokens, has_match, num_tree_nodes, depth):
@@ -288,6 +290,8 @@ def test_chi_square_rejects_equal_siblings_left_both_reachable(monkeypatch):
         return node_tokens, node_tokens
 
     monkeypatch.setattr(medusa_spec.generate, "add_chain", add_chain_without_tie_break)
+    monkeypatch.setattr(medusa_spec.accept, "repeats_a_sibling",
+                        lambda node_tokens, tree: torch.zeros_like(node_tokens, dtype=torch.bool))
     counts, probs, _ = sample_lookup_triples(SETTINGS[0])
     assert chi_square_p_value(counts, probs) < 1e-6
 
