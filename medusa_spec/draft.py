@@ -20,8 +20,8 @@ from torch import nn
 from .accept import accept_draft, draw_targets, processed_probs
 from .base import inspect_base_model, model_device_dtype
 from .columnwise import columnwise_linears
-from .generate import (GenerateOutput, GenerationStats, SequenceWriter, prefill, prepare_inputs, resolve_sampling,
-                       special_tokens, stream)
+from .generate import (GenerateOutput, GenerationStats, SequenceWriter, last_position, node_positions, prefill,
+                       prepare_inputs, resolve_sampling, special_tokens, stream)
 from .kv_cache import keep_accepted, new_cache
 from .tree import build_tree
 from .verify import forward_block
@@ -138,6 +138,9 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
     start = time.perf_counter()
     input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
+    # Both models see the same positions: the lower limit caps them.
+    limits = [last_position(m, attention_mask, max_new_tokens) for m in (base_model, draft_model)]
+    max_position = min((limit for limit in limits if limit is not None), default=None)
     device = input_ids.device
     batch = input_ids.shape[0]
     max_k = num_draft_tokens or max_draft_tokens
@@ -189,7 +192,7 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
             draft_tokens, draft_probs = [], []
             for i in range(k):
                 if i > 0:  # x_i: feed x_{i-1} at position next_pos + i
-                    position = (next_pos + i)[:, None]
+                    position = node_positions(next_pos, chain.depth[i: i + 1], max_position)  # a chain's depth i is i
                     draft_valid = torch.cat([draft_valid, torch.ones_like(position, dtype=torch.bool)], dim=1)
                     draft_pos = torch.cat([draft_pos, position], dim=1)
                     draft_logits, _ = forward_block(draft_model, draft_spec, draft_tokens[-1][:, None], position, one,
@@ -204,7 +207,7 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
             drafted = clock.mark()
             # 3. Verify: one base-model pass over the chain [root, x_1 .. x_K] at positions next_pos + 0..K.
             node_tokens = torch.cat([root[:, None], draft_tokens], dim=1)
-            q_pos = next_pos[:, None] + chain.depth
+            q_pos = node_positions(next_pos, chain.depth, max_position)
             past_length = slot_valid.shape[1]
             kv_valid = torch.cat([slot_valid, torch.ones_like(node_tokens, dtype=torch.bool)], dim=1)
             logits, _ = forward_block(base_model, spec, node_tokens, q_pos, chain.tree_mask, cache, kv_valid,
@@ -234,19 +237,22 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
             verify_time += clock.seconds(drafted, verified)
             # 5. Commit. Base cache: the accepted chain [root, x_1 .. x_a] (a contiguous prefix of the block).
             keep_accepted(cache, past_length, torch.arange(longest, device=device).expand(batch, -1))
+            # A finished row stays in the batch but stands still: no valid slots, no new positions.
+            going = ~writer.finished
             slot_offsets = torch.arange(longest, device=device)
-            slot_valid = torch.cat([slot_valid, slot_offsets < (accept_length + 1)[:, None]], dim=1)
-            slot_pos = torch.cat([slot_pos, next_pos[:, None] + slot_offsets], dim=1)
+            slot_valid = torch.cat([slot_valid, (slot_offsets < (accept_length + 1)[:, None]) & going[:, None]], dim=1)
+            slot_pos = torch.cat([slot_pos, node_positions(next_pos, slot_offsets, max_position)], dim=1)
             # Draft cache: [unseen, root, x_1 .. x_min(a, K-1)]; x_K, never fed, becomes next step's unseen token.
             draft_kept = torch.clamp(accept_length, max=k - 1) + 2  # slots of the block to keep, the unseen one included
             draft_longest = min(longest, k) + 1
             keep_accepted(draft_cache, draft_past, torch.arange(draft_longest, device=device).expand(batch, -1))
             draft_offsets = torch.arange(draft_longest, device=device)
-            kept_valid = draft_valid[:, draft_past: draft_past + draft_longest] & (draft_offsets < draft_kept[:, None])
+            kept_valid = (draft_valid[:, draft_past: draft_past + draft_longest] & (draft_offsets < draft_kept[:, None])
+                          & going[:, None])
             draft_valid = torch.cat([draft_valid[:, :draft_past], kept_valid], dim=1)
             draft_pos = draft_pos[:, : draft_past + draft_longest]
-            unseen, unseen_valid = draft_tokens[:, -1], accept_length == k
-            next_pos = next_pos + accept_length + 1
+            unseen, unseen_valid = draft_tokens[:, -1], (accept_length == k) & going
+            next_pos = next_pos + (accept_length + 1) * going
             root = bonus
             if num_draft_tokens is None:
                 # One pseudo-token each way (Laplace) keeps alpha inside (0, 1): one unlucky first step

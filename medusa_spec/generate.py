@@ -204,6 +204,33 @@ def eval_mode(module: nn.Module | None):
             m.training = training
 
 
+def last_position(model: nn.Module, attention_mask: torch.Tensor, max_new_tokens: int) -> int | None:
+    """The highest position `model` embeds (config.max_position_embeddings - 1; None where it declares no limit),
+    after checking that the longest prompt and max_new_tokens fit below it."""
+    config = getattr(model, "config", None)
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) if config is not None else None
+    if not limit:
+        return None
+    longest = int(attention_mask.sum(-1).max())
+    if longest + max_new_tokens > limit:
+        fix = (f"lower max_new_tokens to {limit - longest} or shorten the prompt" if longest < limit
+               else f"shorten the prompt to at most {limit - max_new_tokens} tokens")
+        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
+                         f"{longest + max_new_tokens} positions, but {type(model).__name__} has "
+                         f"max_position_embeddings={limit}; {fix}")
+    return limit - 1
+
+
+def node_positions(next_pos: torch.Tensor, depth: torch.Tensor, max_position: int | None) -> torch.Tensor:
+    """Positions of a block's nodes: next_pos [B] + depth [N] -> [B, N], capped at max_position.
+
+    The cap only moves nodes past max_new_tokens (last_position checked that the prompt and the budget fit),
+    whose tokens are never emitted; without it a model with a position table would index past its end.
+    """
+    positions = next_pos[:, None] + depth
+    return positions if max_position is None else positions.clamp(max=max_position)
+
+
 def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tree: Tree, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, sampling: Sampling = Sampling(),
              eos_token_id: list[int] | None = None, pad_token_id: int | None = None, streamer=None,
@@ -217,6 +244,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
         raise ValueError("documents are only searched by prompt lookup: pass lookup_tokens >= 1 (e.g. 10) with them")
     start = time.perf_counter()
     input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
+    max_position = last_position(base_model, attention_mask, max_new_tokens)
     device = input_ids.device
     batch = input_ids.shape[0]
     num_tree_nodes = tree.num_nodes
@@ -273,7 +301,7 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
                     node_tokens, candidates = add_chain(node_tokens, chain_tokens, has_match, num_tree_nodes,
                                                         verify_tree.depth)
             # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
-            q_pos = next_pos[:, None] + verify_tree.depth
+            q_pos = node_positions(next_pos, verify_tree.depth, max_position)
             past_length = slot_valid.shape[1]
             kv_valid = torch.cat([slot_valid, torch.ones_like(node_tokens, dtype=torch.bool)], dim=1)
             logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, verify_tree.tree_mask, cache, kv_valid,
@@ -300,12 +328,14 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
                 lookup.extend([synced[2 + batch + b * width: 2 + batch + b * width + counts[b]] for b in range(batch)])
             stats.steps += 1
             # 5. Commit: keep each row's accepted path in the cache (rows that accepted fewer
-            # than the longest get invalid slots: sync points), then move the root forward.
+            # than the longest get invalid slots: sync points), then move the root forward. A finished
+            # row stays in the batch but stands still: no valid slots, no new positions.
             keep_accepted(cache, past_length, path[:, :longest])
             slot_offsets = torch.arange(longest, device=device)
-            slot_valid = torch.cat([slot_valid, slot_offsets < (accept_length + 1)[:, None]], dim=1)
-            slot_pos = torch.cat([slot_pos, next_pos[:, None] + slot_offsets], dim=1)
-            next_pos = next_pos + accept_length + 1
+            going = ~writer.finished
+            slot_valid = torch.cat([slot_valid, (slot_offsets < (accept_length + 1)[:, None]) & going[:, None]], dim=1)
+            slot_pos = torch.cat([slot_pos, node_positions(next_pos, slot_offsets, max_position)], dim=1)
+            next_pos = next_pos + (accept_length + 1) * going
             root = bonus
             if context is None:
                 head_state = hidden.gather(1, last_node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec import MedusaConfig, MedusaModel, generate_with_draft
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
 TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
@@ -243,3 +243,57 @@ def test_generate_runs_heads_in_eval_mode_and_restores_their_mode():
     heads.eval()
     mm.generate(prompt(seed=14), max_new_tokens=5, eos_token_id=[], tree=TREE)
     assert not heads.training
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])  # learned position tables of 256 positions
+def test_rows_finished_early_stand_still_at_the_position_limit(arch):
+    """Prompt + max_new_tokens fill the position table exactly. Row 0 stops at an eos within a few tokens;
+    row 1, whose heads guess wrong, then takes about one step per token: the finished row must not
+    advance a position per step past the table, nor may the last steps' deep nodes index past it."""
+    model = tiny_model(arch)
+    limit = model.config.max_position_embeddings
+    ids = torch.cat([prompt(200, seed=20), prompt(200, seed=21)])
+    max_new = limit - ids.shape[1]
+    free = [reference_generate(model, ids[b:b + 1], max_new_tokens=max_new, eos_token_id=None)[0] for b in range(2)]
+    eos = int(free[0][200 + 3])
+    assert eos not in free[1][200:].tolist()
+    expected = reference_generate(model, ids, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+    wrong = torch.randint(3, VOCAB, (limit,), generator=torch.Generator().manual_seed(26))
+    out = medusa(model, OracleHeads(model, [free[0], wrong])).generate(
+        ids, max_new_tokens=max_new, eos_token_id=[eos], pad_token_id=0, tree=TREE)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.row_steps[0] < 5 and out.stats.row_steps[1] > 40
+
+
+def test_rows_finished_early_stand_still_with_a_draft_model():
+    model, draft = tiny_model("gpt2"), tiny_model("gpt2", seed=1)
+    limit = model.config.max_position_embeddings
+    ids = torch.cat([prompt(200, seed=22), prompt(200, seed=23)])
+    max_new = limit - ids.shape[1]
+    free = reference_generate(model, ids[:1], max_new_tokens=max_new, eos_token_id=None)[0]
+    eos = int(free[200 + 2])
+    expected = reference_generate(model, ids, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+    # The base model as its own draft: every draft is kept, rows run 6 tokens a step up to the table's end.
+    out = generate_with_draft(model, model, ids, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0,
+                              num_draft_tokens=5)
+    assert torch.equal(out.sequences, expected)
+    # Another model's drafts: shorter runs, so row 0 sits finished through many of row 1's steps.
+    out = generate_with_draft(model, draft, ids, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0,
+                              num_draft_tokens=3)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.row_steps[1] > out.stats.row_steps[0] + 10, out.stats.row_steps
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_prompt_and_max_new_tokens_past_the_position_limit_are_refused(arch):
+    model = tiny_model(arch)
+    limit = model.config.max_position_embeddings
+    ids, mask = left_padded([prompt(limit - 10, seed=24)[0], prompt(5, seed=25)[0]])
+    with pytest.raises(ValueError, match=f"needs {limit + 2} positions.*max_position_embeddings={limit}; "
+                                         f"lower max_new_tokens to 10"):
+        medusa(model).generate(ids, attention_mask=mask, max_new_tokens=12, tree=TREE)
+    with pytest.raises(ValueError, match=f"max_position_embeddings={limit}"):
+        generate_with_draft(model, model, ids, attention_mask=mask, max_new_tokens=12)
+    out = medusa(model).generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], tree=TREE)
+    assert out.stats.new_tokens == [10, 10]  # exactly at the limit: runs
+
