@@ -657,7 +657,7 @@ def break_token_map(path):
     state_dict = load_file(path / "medusa_heads.safetensors")
     state_dict["token_map"][0] = 70  # outside the vocabulary of 64
     save_file(state_dict, str(path / "medusa_heads.safetensors"))
-    edit_config(path, lambda config: config.pop("weights_sha256"))  # as an adapter saved before checksums
+    edit_config(path, lambda config: config.pop("weights_sha256", None))  # as an adapter saved before checksums
 
 
 def break_lora_weights(path):
