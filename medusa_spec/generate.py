@@ -20,7 +20,7 @@ from .kv_cache import check_cache, keep_accepted, new_cache
 from .lookup import PromptLookup, add_chain, check_documents, check_lookup_tokens, tree_with_chain
 from .propose import propose
 from .tree import Tree, build_tree
-from .verify import forward_block
+from .verify import attention_masks, forward_block
 
 
 @dataclass
@@ -171,12 +171,31 @@ def stream(streamer, new_tokens: torch.Tensor, count: int) -> None:
 
 def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
     """The prompt as a chain into `cache`: returns (last logits [B, 1, V], final hidden states [B, S, H],
-    slot_valid [B, S], slot_pos [B, S]); padding slots are invalid and positions count only real tokens."""
+    slot_valid [B, S], slot_pos [B, S]); padding slots are invalid and positions count only real tokens.
+
+    Only the final hidden states are kept: all but the last token go through the decoder body
+    (`model.base_model`, whose output is the LM head's input), the last one through the whole model,
+    whose logits are its own (softcapping or scaling included); asking the whole model for the prompt's
+    hidden states would hold every layer's, S x layers x H per row.
+    """
     prompt_length = input_ids.shape[1]
     slot_valid = attention_mask
     slot_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=input_ids.device).tril()
-    logits, hidden = forward_block(model, spec, input_ids, slot_pos, causal, cache, slot_valid, slot_pos, last_only=True)
+    body = model.base_model
+    if body is model:  # no separate decoder body to run: the whole prompt in one pass
+        logits, hidden = forward_block(model, spec, input_ids, slot_pos, causal, cache, slot_valid, slot_pos,
+                                       last_only=True)
+    else:
+        leading = []
+        if prompt_length > 1:
+            mask = attention_masks(spec, slot_valid[:, :-1], slot_pos[:, :-1], slot_pos[:, :-1], causal[:-1, :-1],
+                                   model_device_dtype(model)[1])
+            leading = [body(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=slot_pos[:, :-1],
+                            cache=cache, use_cache=True, return_dict=True).last_hidden_state]
+        logits, last = forward_block(model, spec, input_ids[:, -1:], slot_pos[:, -1:], causal[-1:, -1:], cache,
+                                     slot_valid, slot_pos)
+        hidden = torch.cat([*leading, last], dim=1)
     check_cache(cache, prompt_length)
     return logits, hidden, slot_valid, slot_pos
 

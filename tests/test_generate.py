@@ -297,3 +297,20 @@ def test_prompt_and_max_new_tokens_past_the_position_limit_are_refused(arch):
     out = medusa(model).generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], tree=TREE)
     assert out.stats.new_tokens == [10, 10]  # exactly at the limit: runs
 
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prefill_keeps_only_the_final_hidden_states(arch):
+    """No forward pass over the prompt asks for every layer's hidden states (layers x prompt length
+    per row); only the verify passes over a tree's few nodes do."""
+    model = tiny_model(arch)
+    ids = prompt(40, seed=15)
+    asked = []  # query length of every forward pass that returned all layers' hidden states
+    handle = model.register_forward_hook(
+        lambda module, args, kwargs, output: asked.append(kwargs["input_ids"].shape[1]) if output.hidden_states else None,
+        with_kwargs=True)
+    try:
+        out = medusa(model).generate(ids, max_new_tokens=5, eos_token_id=[], tree=TREE)
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=5, eos_token_id=None))
+    assert asked and max(asked) <= len(TREE) + 1, asked
