@@ -1,5 +1,7 @@
 """Greedy speculative generation is token-identical to transformers' greedy generate."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -60,9 +62,9 @@ def prompt(length=2 * WINDOW + 1, seed=0, batch=1):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def medusa(model, heads=None, num_heads=4, seed=0):
-    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=num_heads))
-    if heads is None:  # random heads: perturb the zero-initialised blocks
+def medusa(model, heads=None, num_heads=4, seed=0, share_lm_head=True):
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=num_heads, share_lm_head=share_lm_head))
+    if heads is None:  # random heads: perturb the zero-initialised blocks (and own projections, if any)
         torch.manual_seed(seed)
         with torch.no_grad():
             for p in mm.heads.parameters():
@@ -73,13 +75,17 @@ def medusa(model, heads=None, num_heads=4, seed=0):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_identity_with_random_heads(arch):
+def test_greedy_identity_when_random_heads_are_rejected(arch):
+    """The rejection case: heads with random projections guess a token the base model takes about 1 time
+    in 50, so nearly every step rejects the whole tree and emits only the base model's own token."""
     model = tiny_model(arch)
     ids = prompt()
     expected = reference_generate(model, ids, max_new_tokens=30, eos_token_id=None)
-    out = medusa(model).generate(ids, max_new_tokens=30, eos_token_id=[], tree=TREE)
+    out = medusa(model, share_lm_head=False).generate(ids, max_new_tokens=30, eos_token_id=[], tree=TREE)
     assert torch.equal(out.sequences, expected)
     assert out.stats.new_tokens == [30]
+    verify_steps = out.stats.row_steps[0] - 1
+    assert verify_steps - out.stats.accepted_at_depth[0] >= 25, out.stats  # steps that accepted nothing
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -314,3 +320,34 @@ def test_prefill_keeps_only_the_final_hidden_states(arch):
         handle.remove()
     assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=5, eos_token_id=None))
     assert asked and max(asked) <= len(TREE) + 1, asked
+
+
+TIE_TOLERANCE = 1e-5  # logit gap within which two kernels' float rounding may order the top two tokens differently
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_agrees_with_transformers_up_to_near_ties_on_unscaled_models(arch, record_property):
+    """The other tests sharpen the LM head so no argmax is within rounding of a tie. Here the logits are
+    the random init's (top-two gaps down to ~1e-5): outputs must agree with transformers' generate except
+    where the two computations' rounding picks the other of two near-tied tokens. Such flips are counted
+    and reported (a warning, and the `near_tie_flips` property), not hidden."""
+    model = tiny_model(arch, lm_head_scale=1.0)
+    ids = prompt(12, seed=16, batch=8)
+    expected = reference_generate(model, ids, max_new_tokens=24, eos_token_id=None)
+    out = medusa(model, OracleHeads(model, expected)).generate(ids, max_new_tokens=24, eos_token_id=[], tree=TREE)
+    assert out.stats.tokens_per_step > 2  # tree passes, not one token at a time
+    flips = []
+    for b in range(ids.shape[0]):
+        differs = (out.sequences[b] != expected[b]).nonzero()
+        if len(differs) == 0:
+            continue
+        t = int(differs[0])  # the first divergence; the texts differ from there on
+        with torch.no_grad():
+            logits = model(expected[b:b + 1, :t]).logits[0, -1]
+        gap = float(logits[expected[b, t]] - logits[out.sequences[b, t]])
+        assert gap < TIE_TOLERANCE, f"row {b} diverges at token {t - ids.shape[1]} where transformers' choice led by {gap}"
+        flips.append((b, t - ids.shape[1], gap))
+    record_property("near_tie_flips", len(flips))
+    if flips:
+        warnings.warn(f"{arch}: {len(flips)} of {ids.shape[0]} rows took the other of two near-tied tokens "
+                      f"(row, token, gap): {flips}")
