@@ -12,10 +12,10 @@ fp32 rounding order, as between any two matmul kernels.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
-
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 # Beyond this many rows (long prompts) nn.Linear's own kernel is as fast.
 MAX_ROWS = 64
@@ -41,22 +41,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+class _ColumnwiseLinears(TorchFunctionMode):
+    """Sends F.linear on the given weights (by identity) through `linear`; every other call runs unchanged.
+
+    A torch function mode, not a patched forward: modes are per thread, so another thread running the same
+    model, even the same layers, meanwhile computes exactly as it would with nothing running, and nothing is
+    left on the modules (a weight assigned later is the one used)."""
+
+    def __init__(self, weights: set[int]):
+        super().__init__()
+        self.weights = weights
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, bias = _linear_arguments(*args, **kwargs)
+            if id(weight) in self.weights:
+                return linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def _linear_arguments(input, weight, bias=None):  # F.linear's own signature, keywords included
+    return input, weight, bias
+
+
 @contextmanager
 def columnwise_linears(*modules: nn.Module | None):
-    """Within the block, every plain nn.Linear in `modules` (None entries skipped) computes through
-    `linear`. The decoding loops hold this over a whole generate call (switching ~200 layers costs
-    about 3 ms, too much per step); a one-row step then still runs nn.Linear's kernel, through `linear`.
+    """Within the block, in this thread only, every plain nn.Linear in `modules` (None entries skipped)
+    computes through `linear`; a one-row step still runs nn.Linear's kernel, through `linear`. The decoding
+    loops hold this over a whole generate call, so its cost (collecting the weights) is paid once.
 
-    Subclasses are left alone (quantised layers; LoRA wrappers call a plain base layer, which is
-    switched), as are layers that already carry a forward of their own (accelerate's offload hooks);
-    each switched layer gets its class forward back on exit, errors included.
+    Subclasses are left alone (quantised layers; LoRA wrappers call a plain base layer, whose weight is
+    collected), as are weights swapped in during a forward (accelerate's offload hooks). Nothing is done
+    unless some module holds fp32 weights on CPU: elsewhere a mode would only add Python work to every op.
     """
-    linears = {id(m): m for module in modules if module is not None for m in module.modules()
-               if type(m) is nn.Linear and "forward" not in vars(m)}.values()  # a shared layer once
-    for layer in linears:
-        layer.forward = partial(linear, weight=layer.weight, bias=layer.bias)
-    try:
+    modules = [module for module in modules if module is not None]
+    if not any(_on_cpu_in_fp32(module) for module in modules):
         yield
-    finally:
-        for layer in linears:
-            del layer.forward
+        return
+    weights = {id(m.weight) for module in modules for m in module.modules() if type(m) is nn.Linear}
+    with _ColumnwiseLinears(weights):
+        yield
+
+
+def _on_cpu_in_fp32(module: nn.Module) -> bool:
+    # The first parameter stands for the module: a model split across devices keeps nn.Linear on its CPU part.
+    first = next(module.parameters(), None)
+    return first is not None and first.device.type == "cpu" and first.dtype == torch.float32

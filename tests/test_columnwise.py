@@ -1,12 +1,11 @@
-"""Column-wise linear layers: the same products as nn.Linear, only where they are faster, and every
-layer handed back its own forward."""
-
-from functools import partial
+"""Column-wise linear layers: the same products as nn.Linear, only where they are faster, and only inside
+columnwise_linears (see test_model_untouched for other threads)."""
 
 import pytest
 import torch
 
 from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec import columnwise
 from medusa_spec.columnwise import MAX_ROWS, columnwise_linears, linear
 from tiny_models import VOCAB, tiny_model
 
@@ -35,51 +34,67 @@ def test_linear_switches_kernel_only_for_a_few_fp32_rows(monkeypatch):
     assert calls == [3, 9, 16, 16, 16, MAX_ROWS]
 
 
-def test_columnwise_linears_switch_plain_layers_and_restore_them():
+def spy_on_products(monkeypatch):
+    """Records (id of the weight, columns) of every column-wise product taken."""
+    products = []
+    original_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda w, x: products.append((id(w), x.shape[1])) or original_mm(w, x))
+    return products
+
+
+def test_columnwise_linears_route_plain_layers_within_the_block_only(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
-    hooked = model[1]
-    own_forward = hooked.forward
-    hooked.forward = own_forward  # a forward of its own, as accelerate's offload hooks set
     x = torch.randn(2, 3, 16)
     expected = model(x)
+    products = spy_on_products(monkeypatch)
     with columnwise_linears(model):
-        assert isinstance(vars(model[0])["forward"], partial)
-        assert vars(hooked)["forward"] is own_forward
         torch.testing.assert_close(model(x), expected)
-    assert "forward" not in vars(model[0]) and vars(hooked)["forward"] is own_forward
+    assert products == [(id(model[0].weight), 6), (id(model[1].weight), 6)]
+    model(x)
     with pytest.raises(RuntimeError, match="boom"), columnwise_linears(model):
         raise RuntimeError("boom")
-    assert "forward" not in vars(model[0])  # handed back on an error too
+    model(x)
+    assert len(products) == 2  # nothing routed after the block, errors included
 
 
-def test_subclasses_are_left_alone():
+def test_subclasses_and_weights_swapped_in_are_left_alone(monkeypatch):
     class Quantised(torch.nn.Linear):
         pass
 
     model = torch.nn.Sequential(Quantised(4, 4), torch.nn.Linear(4, 4))
+    products = spy_on_products(monkeypatch)
     with columnwise_linears(model):
-        assert "forward" not in vars(model[0]) and "forward" in vars(model[1])
+        model(torch.randn(3, 4))
+        assert products == [(id(model[1].weight), 3)]
+        model[1].weight = torch.nn.Parameter(torch.randn(4, 4))  # as accelerate's offload hooks swap weights in
+        model(torch.randn(3, 4))
+        assert len(products) == 1
+
+
+def test_nothing_is_intercepted_unless_fp32_on_cpu(monkeypatch):
+    """Off CPU/fp32 `linear` would only fall back to nn.Linear: no mode is pushed, so no op pays for one."""
+    calls = []
+    monkeypatch.setattr(columnwise, "linear", lambda *a: calls.append(a) or torch.nn.functional.linear(*a))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with columnwise_linears(model.bfloat16(), None):
+        model(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert not calls
+    with columnwise_linears(model.float(), None):
+        model(torch.randn(3, 4))
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "dependent"])
-def test_generate_runs_tree_and_heads_columnwise_then_hands_layers_back(head_type):
-    """The decoding loop really takes the column-wise path in every plain Linear (decoder layers, LM
-    head, heads) and leaves the model as it found it."""
+def test_generate_runs_tree_and_heads_columnwise(head_type, monkeypatch):
+    """The decoding loop really takes the column-wise path in every plain Linear (decoder layers, LM head,
+    heads)."""
     model = tiny_model("llama")
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type=head_type))
-    layers = [m for m in mm.modules() if type(m) is torch.nn.Linear]
-    switched, rows = [], []
-
-    def record(module, inputs, output):
-        switched.append(isinstance(vars(module).get("forward"), partial))
-        rows.append(inputs[0].numel() // inputs[0].shape[-1])
-
-    hooks = [m.register_forward_hook(record) for m in layers]
-    ids = torch.randint(3, VOCAB, (1, 6))
+    weights = {id(m.weight) for m in mm.modules() if type(m) is torch.nn.Linear}
+    products = spy_on_products(monkeypatch)
+    ids = torch.randint(3, VOCAB, (2, 6))  # two rows, so the heads' products are column-wise too
     out = mm.generate(ids, max_new_tokens=6, eos_token_id=[], tree=[[0], [1], [0, 0]])
-    for hook in hooks:
-        hook.remove()
     assert out.sequences.shape[1] == 12
-    assert all(switched) and max(rows) >= 4  # tree passes of 4 nodes ran through the switched layers
-    assert all("forward" not in vars(m) for m in layers)
+    assert weights <= {weight for weight, _ in products}
+    assert 8 in {columns for _, columns in products}  # tree passes of 4 nodes, two rows (the prefill: 16)
