@@ -34,16 +34,21 @@ def test_processed_probs_match_transformers_warpers(sampling):
     torch.testing.assert_close(processed_probs(logits, sampling), scores.softmax(-1))
 
 
-def exact_joint(model, prompt, sampling):
-    """P(t1, t2, t3 | prompt) for every triple, enumerated with the base model: [V, V, V]."""
+def exact_joint(model, prompt, sampling, new=NEW):
+    """P(t1 .. t_new | prompt) for every token sequence, enumerated with the base model: [V] * new."""
+    joint = torch.ones(())
     with torch.no_grad():
-        def next_probs(prefixes):
-            ids = torch.cat([prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long)], 1)
-            return processed_probs(model(ids).logits[:, -1], sampling)
-        p1 = processed_probs(model(prompt).logits[:, -1], sampling)[0]
-        p2 = next_probs([[a] for a in range(VOCAB)])
-        p3 = next_probs([[a, b] for a, b in itertools.product(range(VOCAB), repeat=2)]).view(VOCAB, VOCAB, VOCAB)
-    return p1[:, None, None] * p2[:, :, None] * p3
+        for length in range(new):  # every prefix of `length` new tokens -> the next token's distribution
+            prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=length)), dtype=torch.long)
+            ids = torch.cat([prompt.expand(VOCAB ** length, -1), prefixes.view(VOCAB ** length, length)], 1)
+            probs = processed_probs(model(ids).logits[:, -1], sampling)
+            joint = joint[..., None] * probs.view([VOCAB] * (length + 1))
+    return joint
+
+
+def triple_counts(tokens):
+    """[R, 3] token triples -> how often each occurs, [V ** 3] in the order of exact_joint's cells."""
+    return torch.bincount(tokens[:, 0] * VOCAB * VOCAB + tokens[:, 1] * VOCAB + tokens[:, 2], minlength=VOCAB ** 3).double()
 
 
 def sample_triples(model, prompt, sampling, seed=0, heads=None):
@@ -53,9 +58,7 @@ def sample_triples(model, prompt, sampling, seed=0, heads=None):
     torch.manual_seed(seed)
     out = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True, temperature=sampling.temperature,
                       top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=[], tree=TREE)
-    new = out.sequences[:, prompt.shape[1]:]
-    counts = torch.bincount(new[:, 0] * VOCAB * VOCAB + new[:, 1] * VOCAB + new[:, 2], minlength=VOCAB ** 3)
-    return counts.double(), out.stats
+    return triple_counts(out.sequences[:, prompt.shape[1]:]), out.stats
 
 
 def chi_square_p_value(counts, probs):
@@ -84,6 +87,35 @@ def test_speculative_sampling_matches_base_distribution(sampling):
     counts, stats = sample_triples(model, prompt, sampling)
     assert stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"
     assert chi_square_p_value(counts, exact_joint(model, prompt, sampling)) > 1e-3
+
+
+PROMPTS = [[3, 5, 4, 1], [5, 2]]  # of two lengths: rows of the second are left-padded
+
+
+@pytest.mark.parametrize("sampling", [SETTINGS[0], SETTINGS[4]], ids=str)
+def test_sampling_is_exact_at_later_steps_in_a_padded_mixed_length_batch(sampling):
+    """Rows of two prompts of different lengths, interleaved in one left-padded batch, six tokens each.
+    Per prompt, the joint of tokens 1-3 and the marginal of tokens 4-6: those come after several verify
+    steps, with cache compaction and rows at different positions and cache lengths."""
+    model = tiny_model("llama", vocab_size=VOCAB)
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.zeros(ROWS, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b in range(ROWS):
+        row = PROMPTS[b % len(PROMPTS)]
+        ids[b, width - len(row):], mask[b, width - len(row):] = torch.tensor(row), 1
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    torch.manual_seed(0)
+    out = mm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=sampling.temperature,
+                      top_k=sampling.top_k or 0, top_p=sampling.top_p, eos_token_id=[], tree=TREE)
+    assert out.stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"
+    assert out.stats.steps > 3  # tokens 4-6 came from verify steps after the first
+    for i, prompt in enumerate(PROMPTS):
+        new = out.sequences[i::len(PROMPTS), width:]
+        joint = exact_joint(model, torch.tensor([prompt]), sampling, new=6)
+        first, later = joint.sum(dim=(3, 4, 5)), joint.sum(dim=(0, 1, 2))
+        assert chi_square_p_value(triple_counts(new[:, :3]), first) > 1e-3, f"prompt {i}, tokens 1-3"
+        assert chi_square_p_value(triple_counts(new[:, 3:]), later) > 1e-3, f"prompt {i}, tokens 4-6"
 
 
 class RepeatingHeads(nn.Module):
@@ -177,8 +209,7 @@ def test_sampling_from_the_generation_config_is_exact():
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
     torch.manual_seed(0)
     new = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, eos_token_id=[], tree=TREE).sequences[:, prompt.shape[1]:]
-    counts = torch.bincount(new[:, 0] * VOCAB * VOCAB + new[:, 1] * VOCAB + new[:, 2], minlength=VOCAB ** 3).double()
-    assert chi_square_p_value(counts, exact_joint(model, prompt, Sampling(True, 0.7, top_k=2))) > 1e-3
+    assert chi_square_p_value(triple_counts(new), exact_joint(model, prompt, Sampling(True, 0.7, top_k=2))) > 1e-3
 
 
 def test_a_sampling_warper_medusa_spec_does_not_apply_is_refused():
