@@ -64,7 +64,8 @@ def inspect_base_model(base_model: nn.Module) -> BaseSpec:
     if attn not in MASKABLE_ATTENTION:
         raise UnsupportedModelError(
             f"{name} uses attn_implementation={attn!r}, which takes no custom tree mask; "
-            f"load the model with attn_implementation='sdpa' (or 'eager')")
+            f"load the model with attn_implementation='sdpa' (or 'eager'), or switch it back with "
+            f"set_attn_implementation('sdpa')")
     return BaseSpec(
         hidden_size=lm_head.weight.shape[1],
         vocab_size=lm_head.weight.shape[0],

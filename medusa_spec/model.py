@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import autotree, formats, io
-from .base import inspect_base_model, model_device_dtype
+from .base import BaseSpec, inspect_base_model, model_device_dtype
 from .config import MedusaConfig
 from .generate import GenerateOutput, generate, resolve_sampling, special_tokens
 from .heads import MedusaHeads
@@ -22,10 +22,16 @@ class MedusaModel(nn.Module):
 
     def __init__(self, base_model: nn.Module, config: MedusaConfig, heads: MedusaHeads):
         super().__init__()
+        inspect_base_model(base_model)  # refuse a model it cannot drive now, not at the first generate()
         self.base_model = base_model
         self.config = config
         self.heads = heads
-        self.spec = inspect_base_model(base_model)
+
+    @property
+    def spec(self) -> BaseSpec:
+        """The base model's facts, read at each use (microseconds): its attention implementation may have been
+        switched (base_model.set_attn_implementation) since the heads were attached, and eager takes another mask."""
+        return inspect_base_model(self.base_model)
 
     @classmethod
     def from_base(cls, base_model: nn.Module, config: MedusaConfig | None = None) -> "MedusaModel":

@@ -1,5 +1,6 @@
 """generate() leaves the user's model as it found it, in every thread: no attribute set on any module,
-other threads' forwards computed exactly as with nothing running."""
+other threads' forwards computed exactly as with nothing running, and the attention implementation read
+at each call, not when the heads were attached."""
 
 import sys
 import threading
@@ -7,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec import MedusaConfig, MedusaModel, UnsupportedModelError
 from tiny_models import VOCAB, tiny_model
 
 TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]
@@ -124,3 +125,28 @@ def test_concurrent_generate_calls_equal_sequential_ones():
         assert torch.equal(sequences, sequential[i]), f"prompt {i}"
     assert all(state == before for state in seen_states)
     assert module_state(mm) == before
+
+
+def test_switching_to_eager_after_building_keeps_padded_batches_exact():
+    model = tiny_model("llama")
+    assert model.config._attn_implementation == "sdpa"
+    mm = medusa(model)
+    model.set_attn_implementation("eager")  # eager adds a float mask to its scores; sdpa took a boolean one
+    rows = [prompt(9, seed=20)[0], prompt(4, seed=21)[0]]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, 9 - len(row):], mask[b, 9 - len(row):] = row, 1
+    out = mm.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], tree=TREE)
+    for b, row in enumerate(rows):
+        with torch.no_grad():
+            expected = model.generate(row[None], max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(row):]
+        assert torch.equal(out.sequences[b, 9:], expected), f"row {b}"
+
+
+def test_switching_to_an_unmaskable_attention_after_building_is_refused():
+    model = tiny_model("llama")
+    mm = medusa(model)
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(UnsupportedModelError, match=r"flex_attention.*set_attn_implementation\('sdpa'\)"):
+        mm.generate(prompt(6, seed=3), max_new_tokens=4)
