@@ -28,8 +28,9 @@ class Sampling:
             return
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature!r}; use do_sample=False for greedy")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 (or None to disable), got {self.top_k!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be an integer >= 1 (0 or None: no top-k filter, as in transformers), "
+                             f"got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (or None to disable), got {self.top_p!r}")
 
@@ -38,7 +39,7 @@ def processed_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """[..., V] logits -> the distribution transformers samples from: temperature, then top-k,
     then top-p (nucleus, keeping the smallest set with mass >= top_p; at least one token)."""
     scores = logits.float() / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
         kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if sampling.top_p is not None and sampling.top_p < 1:

@@ -112,9 +112,7 @@ def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, to
                                  f"when sampling and medusa_spec does not (it samples with temperature, top_k and "
                                  f"top_p only); set base_model.generation_config.{name} = {neutral!r} to sample "
                                  f"without it")
-    # transformers skips top-k at 0; Sampling says "no top-k" with None.
-    top_k = resolved["top_k"] if resolved["top_k"] != 0 else None
-    return Sampling(bool(resolved["do_sample"]), resolved["temperature"], top_k, resolved["top_p"])
+    return Sampling(bool(resolved["do_sample"]), resolved["temperature"], resolved["top_k"], resolved["top_p"])
 
 
 def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:

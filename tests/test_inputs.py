@@ -35,7 +35,7 @@ def test_invalid_tree_is_refused(mm, tree, message):
     (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
     (dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(do_sample=True, top_k=0), "top_k must be an integer >= 1"),
+    (dict(do_sample=True, top_k=-1), "top_k must be an integer >= 1"),  # 0 turns top-k off, as in transformers
 ])
 def test_bad_generation_arguments(mm, kwargs, message):
     with pytest.raises(ValueError, match=message):
