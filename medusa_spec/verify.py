@@ -28,7 +28,12 @@ def attention_masks(spec: BaseSpec, kv_valid, kv_pos, q_pos, block_mask, dtype: 
     # Every query sees itself, so no row is empty (padding queries would give NaN in sdpa);
     # a padding slot is never visible to any other query.
     allowed[:, :, past:] |= torch.eye(n, dtype=torch.bool, device=allowed.device)
+    return layer_masks(spec, allowed, q_pos, kv_pos, dtype)
 
+
+def layer_masks(spec: BaseSpec, allowed, q_pos, kv_pos, dtype: torch.dtype):
+    """allowed [B, N, L] bool -> the model's mask: one [B, 1, N, L] mask, or a dict by layer type
+    when the model mixes full and sliding-window layers (a window counted in positions)."""
     masks = {}
     for layer_type in spec.layer_types:
         mask = allowed

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .store import read_records
+
 # Used only when asked for (--plain-text): a model without a chat template is then trained,
 # distilled and must be prompted in this format ("User: ...\n\nAssistant: ..." + eos).
 PLAIN_TEXT_TEMPLATE = (
@@ -138,9 +140,17 @@ def read_prompts(path: str | Path, prompt_field: str | None = None, limit: int |
 
 
 def read_conversations(path: str | Path) -> list[list[dict]]:
-    """Conversations written by distill: one {"messages": [{"role", "content"}, ...]} per line."""
+    """Conversations written by distill: one {"messages": [{"role", "content"}, ...]} per line of a
+    JSONL file, or per record of a distill output folder (gzipped chunks, see store.py)."""
+    path = Path(path)
+    if path.is_dir():
+        records = list(enumerate(read_records(path), start=1))
+        if not records:
+            raise ValueError(f"{path}: the folder holds no distilled conversations (part-*.jsonl.gz or open.jsonl)")
+    else:
+        records = read_jsonl(path)
     conversations = []
-    for number, record in read_jsonl(path):
+    for number, record in records:
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):

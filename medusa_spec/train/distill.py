@@ -1,24 +1,35 @@
-"""Self-distillation: the base model answers the prompts through its own chat template; the
-conversations are appended to a JSONL file, one {"id", "messages"} per line.
+"""Self-distillation: the base model answers prompts through its own chat template, and the
+conversations are stored (one {"id", "messages"} record each; see store.py).
 
-Batched (left-padded) generation; a multi-turn prompt is answered turn by turn, each later turn
-asked after the model's own earlier answers. Resumable: prompts whose id is already in the
-output are skipped, and a line cut short by a kill is dropped before appending.
+Decoding runs in the continuous-batching engine (engine.py): many rows at once, a finished row
+refilled at once. A multi-turn prompt is answered turn by turn, each later turn asked after the
+model's own earlier answers. Two sources of more prompts, both written by the model itself:
+`self_prompts` opens the chat template at the user turn and samples what a user would ask
+(Magpie), and `follow_ups` does the same after a first answer, so a share of the conversations
+gets a second, model-written user turn, answered again. Resumable: prompts whose id is stored
+are skipped.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import time
+import zlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .data import Prompt, render
+from .data import Prompt, read_prompts, render
+from .engine import Request, decode_stream
 from .options import option
+from .store import ConversationStore, is_folder, read_records
+
+SELF_PROMPTS = "self_prompts.jsonl"
+_SENTINEL = "\x00medusa-spec-user-turn\x00"
 
 
 @dataclass
@@ -28,127 +39,205 @@ class DistillConfig:
     model: str = option(None, "local folder of the base model and tokenizer (save_pretrained layout)", required=True)
     prompts: list[str] = option(None, "prompt JSONL files, each FILE or FILE:N (the first N prompts of FILE)",
                                 required=True)
-    output: str = option(None, "conversation JSONL to append to (prompts already in it are skipped)", required=True)
+    output: str = option(None, "where conversations go: FILE.jsonl, or a folder of gzipped chunks (resumable; "
+                               "prompts already in it are skipped)", required=True)
     prompt_field: str | None = option(None, "the prompt's field in every file (default: read from the first record)")
     system_prompt: str | None = option(None, "a system message put before every conversation")
-    batch_size: int = option(16, "prompts generated together")
+    batch_size: int = option(64, "rows decoded together (a finished row takes the next prompt at once)")
     max_new_tokens: int = option(512, "tokens per answer at most")
     max_prompt_tokens: int = option(2048, "a longer prompt is skipped (a longer later turn ends the conversation)")
-    do_sample: bool = option(False, "sample instead of greedy decoding")
-    temperature: float = option(0.7, "sampling temperature (with --do-sample)")
-    top_p: float = option(0.95, "nucleus sampling mass (with --do-sample)")
+    do_sample: bool = option(False, "sample the answers instead of greedy decoding")
+    temperature: float = option(0.7, "sampling temperature of the answers (with --do-sample)")
+    top_p: float = option(1.0, "nucleus sampling mass (answers with --do-sample, and model-written prompts)")
+    self_prompts: int = option(0, f"first have the model write this many user prompts of its own (Magpie), kept "
+                                  f"deduplicated in the output folder's {SELF_PROMPTS}, and answer them too")
+    follow_ups: float = option(0.0, "share of single-turn conversations that get a model-written second user turn, "
+                                    "answered again")
+    prompt_temperature: float = option(1.0, "sampling temperature of model-written prompts and follow-ups")
+    chunk_size: int = option(2000, "conversations per gzipped chunk of an output folder")
     dtype: str = option("auto", "dtype to load the model in", choices=("auto", "float32", "bfloat16", "float16"))
     device: str | None = option(None, "torch device (default: cuda if available, else cpu)")
     plain_text: bool = option(False, "the tokenizer has no chat template: use the plain 'User:/Assistant:' format")
+    server: str | None = option(None, "answer through an OpenAI-compatible server at this URL (vLLM, SGLang, "
+                                      "llama.cpp's server) instead of a local model")
+    server_model: str | None = option(None, "the model name the server serves (with --server; default: its first)")
+    concurrency: int = option(16, "requests in flight at once (with --server)")
     seed: int = option(0, "seed for sampling")
 
 
 def finished_ids(output: Path) -> set[str]:
-    """Ids already in `output`; truncates a final line left incomplete by a kill."""
-    if not output.is_file():
-        return set()
-    data = output.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]  # everything up to the last newline
-    if len(complete) != len(data):
-        with open(output, "r+b") as f:
-            f.truncate(len(complete))
-    ids = set()
-    for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                ids.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{output}:{number}: not a distill record; write to a new --output file") from None
-    return ids
+    """Ids already in `output` (a final line left incomplete by a kill is dropped)."""
+    return {r["id"] for r in read_records(output)}
 
 
-def _eos_ids(base_model, tokenizer) -> set[int]:
+def eos_ids(base_model, tokenizer) -> set[int]:
     eos = getattr(base_model.generation_config, "eos_token_id", None)
     ids = set([eos] if isinstance(eos, int) else eos or [])
     return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
-def _prompt_length(tokenizer, messages: list[dict]) -> int:
-    return len(tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+def _ids(tokenizer, text: str) -> list[int]:
+    # The template already holds any BOS.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def user_turn_opening(tokenizer, messages: list[dict]) -> str:
+    """The rendered conversation up to where the next user message's text would begin (Magpie)."""
+    text = render(tokenizer, messages + [{"role": "user", "content": _SENTINEL}])
+    if _SENTINEL not in text:
+        raise ValueError("the chat template drops the user's message, so the model cannot be asked to write one; "
+                         "use --self-prompts 0 --follow-ups 0")
+    return text[: text.index(_SENTINEL)]
+
+
+def _decode(tokenizer, tokens: list[int], eos: set[int]) -> str:
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip()
 
 
 def answer(base_model, tokenizer, conversations: list[list[dict]], cfg: DistillConfig) -> tuple[list[str], int]:
-    """One generated reply per conversation (each ending in a user turn); returns (replies, new tokens)."""
-    texts = [render(tokenizer, messages, add_generation_prompt=True) for messages in conversations]
-    # The template already holds any BOS; left padding so every row continues from its last column.
-    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    batch = batch.to(base_model.device)
-    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.do_sample else {"do_sample": False}
-    with torch.inference_mode():
-        sequences = base_model.generate(**batch, max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                        **sampling)
-    new = sequences[:, batch["input_ids"].shape[1]:].tolist()
-    eos = _eos_ids(base_model, tokenizer)
-    replies, count = [], 0
-    for tokens in new:
-        length = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))  # through the first eos
-        count += length
-        replies.append(tokenizer.decode(tokens[:length], skip_special_tokens=True).strip())
+    """One reply per conversation (each ending in a user turn); returns (replies, new tokens)."""
+    eos = eos_ids(base_model, tokenizer)
+    requests = deque(Request(i, _ids(tokenizer, render(tokenizer, m, add_generation_prompt=True)),
+                             cfg.temperature if cfg.do_sample else 0.0) for i, m in enumerate(conversations))
+    replies, count = [""] * len(conversations), 0
+    for i, tokens in decode_stream(base_model, requests, eos, rows=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                                   top_p=cfg.top_p, pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed):
+        replies[i], count = _decode(tokenizer, tokens, eos), count + len(tokens)
     return replies, count
 
 
-def converse(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig) -> tuple[dict[str, list[dict]], int]:
-    """Answer a batch of prompts turn by turn: turn t of every prompt that has one goes in one
-    generate call, after the model's own answers to the earlier turns. Returns ({id: messages}, new
-    tokens); a prompt over max_prompt_tokens is left out, a later turn over it ends its conversation."""
+def _normal(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip()
+
+
+def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Prompt], progress: bool) -> Path:
+    """Grow the output folder's SELF_PROMPTS file to cfg.self_prompts model-written prompts, each
+    new (by lowercased, whitespace-folded text) against `known` and the file; returns its path."""
+    if not is_folder(cfg.output):
+        raise ValueError("--self-prompts needs a folder --output (where self_prompts.jsonl is kept)")
+    path = Path(cfg.output) / SELF_PROMPTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = [json.loads(line)["prompt"] for line in path.read_text().splitlines()] if path.is_file() else []
+    seen = {_normal(t) for p in known for t in p.turns} | {_normal(t) for t in written}
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-    conversations = {p.id: list(system) for p in prompts}
-    active = {p.id: p for p in prompts}
-    new_tokens, turn = 0, 0
-    while active:
-        asking = []
-        for pid, prompt in list(active.items()):
-            messages = conversations[pid] + [{"role": "user", "content": prompt.turns[turn]}]
-            too_long = _prompt_length(tokenizer, messages) > cfg.max_prompt_tokens
-            if too_long or turn + 1 == len(prompt.turns):
-                del active[pid]
-            if too_long:
-                if turn == 0:
-                    del conversations[pid]
-                continue
-            conversations[pid] = messages
-            asking.append(pid)
-        turn += 1
-        if asking:
-            replies, count = answer(base_model, tokenizer, [conversations[pid] for pid in asking], cfg)
-            for pid, reply in zip(asking, replies):
-                conversations[pid].append({"role": "assistant", "content": reply})
-            new_tokens += count
-    return conversations, new_tokens
+    opening = _ids(tokenizer, user_turn_opening(tokenizer, system))
+    eos = eos_ids(base_model, tokenizer)
+    bar = tqdm(total=cfg.self_prompts, initial=len(written), unit="prompt", disable=not progress, desc="self-prompts")
+    tries = 0
+    while len(written) < cfg.self_prompts:
+        want = cfg.self_prompts - len(written)
+        if tries > 4 * cfg.self_prompts + 64:
+            raise RuntimeError(f"the model repeats itself: {len(written)} distinct prompts after {tries} tries; "
+                               f"raise --prompt-temperature or ask for fewer --self-prompts")
+        batch = deque(Request(i, opening, cfg.prompt_temperature, 160) for i in range(min(want * 2, 256)))
+        tries += len(batch)
+        with open(path, "a", encoding="utf-8") as out:
+            for _, tokens in decode_stream(base_model, batch, eos, rows=cfg.batch_size, top_p=cfg.top_p,
+                                           pad_token_id=tokenizer.pad_token_id or 0,
+                                           seed=cfg.seed + tries + len(written)):
+                text = _decode(tokenizer, tokens, eos)
+                # An unfinished prompt (no end of turn within 160 tokens) or a repeat is dropped.
+                if not tokens or tokens[-1] not in eos or len(text) < 8 or _normal(text) in seen:
+                    continue
+                if len(written) < cfg.self_prompts:
+                    seen.add(_normal(text))
+                    written.append(text)
+                    out.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
+                    bar.update(1)
+    bar.close()
+    return path
+
+
+def _wants_follow_up(pid: str, share: float) -> bool:
+    """A stable choice per prompt id, so a resumed run picks the same conversations."""
+    return zlib.crc32(pid.encode()) % 10_000 < share * 10_000
 
 
 def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, progress: bool = True) -> dict:
-    """Answer every prompt not yet in cfg.output and append the conversations; returns counts.
+    """Answer every prompt not yet in cfg.output and store the conversations; returns counts.
     (cfg.model and cfg.prompts only say where `base_model` and `prompts` came from.)"""
-    output = Path(cfg.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    done = finished_ids(output)
-    todo = [p for p in prompts if p.id not in done]
-    # Similar lengths in one batch waste less on padding; longest first, so memory trouble shows early.
-    todo.sort(key=lambda p: -len(p.turns[0]))
-    stats = {"prompts": len(prompts), "skipped_finished": len(prompts) - len(todo), "written": 0,
-             "skipped_too_long": 0, "new_tokens": 0}
     base_model.eval()
+    if cfg.self_prompts:
+        path = write_self_prompts(base_model, tokenizer, cfg, prompts, progress)
+        prompts = prompts + read_prompts(path)
+    store = ConversationStore(cfg.output, cfg.chunk_size)
+    # The pools overlap (the same question in two collections): the first copy is answered.
+    seen, unique = set(), []
+    for p in prompts:
+        text = tuple(_normal(t) for t in p.turns)
+        if text not in seen:
+            seen.add(text)
+            unique.append(p)
+    todo = [p for p in unique if p.id not in store.done]
+    # Similar lengths side by side; longest first, so memory trouble shows early.
+    todo.sort(key=lambda p: -len(p.turns[0]))
+    stats = {"prompts": len(prompts), "duplicates": len(prompts) - len(unique),
+             "skipped_finished": len(unique) - len(todo), "written": 0,
+             "skipped_too_long": 0, "follow_ups": 0, "new_tokens": 0}
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    conversations = {p.id: list(system) for p in todo}
+    turns = {p.id: list(p.turns) for p in todo}
+    eos = eos_ids(base_model, tokenizer)
+    answer_temperature = cfg.temperature if cfg.do_sample else 0.0
+
+    def ask(pid: str):
+        """The request for the conversation's next user turn, or None when it is too long."""
+        messages = conversations[pid] + [{"role": "user", "content": turns[pid].pop(0)}]
+        ids = _ids(tokenizer, render(tokenizer, messages, add_generation_prompt=True))
+        if len(ids) > cfg.max_prompt_tokens:
+            return None
+        conversations[pid] = messages
+        return Request(pid, ids, answer_temperature)
+
+    requests = deque()
+    for p in todo:
+        request = ask(p.id)
+        if request is None:
+            stats["skipped_too_long"] += 1
+        else:
+            requests.append(request)
+
     start = time.perf_counter()
-    bar = tqdm(total=len(todo), unit="prompt", disable=not progress, desc=f"distill -> {output.name}")
-    with open(output, "a", encoding="utf-8") as out:
-        for first in range(0, len(todo), cfg.batch_size):
-            batch = todo[first: first + cfg.batch_size]
-            conversations, new_tokens = converse(base_model, tokenizer, batch, cfg)
-            for pid, messages in conversations.items():
-                out.write(json.dumps({"id": pid, "messages": messages}, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())  # a finished batch survives even a machine crash
-            stats["written"] += len(conversations)
-            stats["skipped_too_long"] += len(batch) - len(conversations)
-            stats["new_tokens"] += new_tokens
-            bar.update(len(batch))
-            bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
+    bar = tqdm(total=len(requests), unit="conv", disable=not progress, desc=f"distill -> {Path(cfg.output).name}")
+    pending = []
+    for key, tokens in decode_stream(base_model, requests, eos, rows=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                                     capacity=cfg.max_prompt_tokens + cfg.max_new_tokens, top_p=cfg.top_p,
+                                     pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed):
+        text = _decode(tokenizer, tokens, eos)
+        if isinstance(key, tuple):  # a model-written follow-up question: ask it if it is usable
+            pid = key[0]
+            if tokens and tokens[-1] in eos and len(text) >= 8:
+                turns[pid].append(text)
+                request = ask(pid)
+                if request is not None:
+                    stats["follow_ups"] += 1
+                    requests.appendleft(request)
+                    continue
+            pending.append({"id": pid, "messages": conversations.pop(pid)})
+        else:
+            pid = key
+            stats["new_tokens"] += len(tokens)
+            conversations[pid].append({"role": "assistant", "content": text})
+            request = ask(pid) if turns[pid] else None
+            if request is not None:
+                requests.appendleft(request)  # the next turn now, so the conversation closes soon
+                continue
+            single = len(conversations[pid]) == len(system) + 2
+            if single and cfg.follow_ups and _wants_follow_up(pid, cfg.follow_ups):
+                opening = _ids(tokenizer, user_turn_opening(tokenizer, conversations[pid]))
+                if len(opening) + 160 <= cfg.max_prompt_tokens:
+                    requests.appendleft(Request((pid, "ask"), opening, cfg.prompt_temperature, 160))
+                    continue
+            pending.append({"id": pid, "messages": conversations.pop(pid)})
+        if len(pending) >= 16:
+            store.append(pending)
+            stats["written"] += len(pending)
+            bar.update(len(pending))
+            pending = []
+        bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
+    store.append(pending)
+    stats["written"] += len(pending)
     bar.close()
-    stats["tokens_per_second"] = round(stats["new_tokens"] / max(time.perf_counter() - start, 1e-9), 1)
+    stats["seconds"] = round(time.perf_counter() - start, 1)
+    stats["tokens_per_second"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
     return stats

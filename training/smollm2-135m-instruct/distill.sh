@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# Stage 1 of the SmolLM2-135M-Instruct heads recipe: self-distilled answers, greedy, in rounds.
-# Each round raises every file's prompt count, so a run stopped at any point holds a balanced
-# mix (chat, code, math) rather than the longest prompts of one file. Rerun to resume: prompts
-# already answered in $OUT are skipped. Usage: bash distill.sh [OUT] [ROUNDS]
+# Stage 1 of the SmolLM2-135M-Instruct heads recipe: self-distilled answers (greedy, bf16 weights)
+# into a folder of gzipped chunks in this repository, so any machine continues it.
+# Round 1 answers every prompt pool in shared/data/train (GSM8K capped: the pools are mostly math
+# otherwise; duplicates across pools are answered once); round 2 has the model write its own user
+# prompts (Magpie) and answers those. A share of single-turn conversations gets a model-written
+# follow-up turn, answered again. Rerun to resume: conversations already stored are skipped.
+# Usage: bash distill.sh [OUT] [SELF_PROMPTS] [EXTRA distill flags, e.g. --device cuda --batch-size 256]
 set -euo pipefail
-OUT=${1:-/work/data/smollm2-distill.jsonl}
-ROUNDS=${2:-4}
-TRAIN=$(cd "$(dirname "$0")/../../.." && pwd)/shared/data/train
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT=${1:-$HERE/../data/smollm2-135m-instruct}
+SELF=${2:-12000}
+shift $(( $# > 2 ? 2 : $# ))
+TRAIN=$(cd "$HERE/../../.." && pwd)/shared/data/train
 MODEL=$(python -c "from medusa_spec import default_model; print(default_model.prepare())")
-# name:prompts to take in total (GSM8K and MBPP capped: the pool is mostly math otherwise)
-MIX="oasst1_val_prompts_qlora_oa_questions.jsonl:900 oasst_prompt_lottery_en_250.jsonl:250 oasst_en_100_text.jsonl:100
-arena_hard_v0.1_question.jsonl:400 arena_hard_v2.0_question.jsonl:400 self_instruct_user_oriented_instructions.jsonl:400
-self_instruct_seed_tasks.jsonl:300 gsm8k_train.jsonl:300 mbpp.jsonl:200"
-for round in $(seq 1 "$ROUNDS"); do
-  specs=()
-  for entry in $MIX; do
-    specs+=("$TRAIN/${entry%%:*}:$(( ${entry##*:} * round / ROUNDS ))")
-  done
-  medusa-spec distill --model "$MODEL" --prompts "${specs[@]}" --output "$OUT" \
-    --batch-size 24 --max-new-tokens 320 --max-prompt-tokens 400
+POOLS=()
+for f in "$TRAIN"/*.jsonl; do
+  case $(basename "$f") in gsm8k_train.jsonl) POOLS+=("$f:2000");; *) POOLS+=("$f");; esac
 done
+COMMON=(--model "$MODEL" --output "$OUT" --dtype bfloat16 --batch-size 64 --max-new-tokens 512
+        --max-prompt-tokens 1024 --follow-ups 0.25)
+medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
+medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" --self-prompts "$SELF" "$@"

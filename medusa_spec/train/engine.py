@@ -1,0 +1,193 @@
+"""Batched decoding for self-distillation: many rows at once in a preallocated cache, each row
+at its own length, a finished row refilled with the next request at once (continuous batching).
+
+transformers' `generate` pads a batch to its longest prompt, grows its cache by concatenation at
+every step, and keeps finished rows in the batch until the longest answer ends. Here the cache
+is allocated once ([rows, kv_heads, capacity, head_dim] per layer), a row writes at its own
+column, and a finished row takes the next prompt while the others go on. The model is the
+caller's, unchanged: the cache is a plain transformers `Cache` whose layers write per row, and
+the mask and positions are passed explicitly, so any decoder-only model that accepts a 4D mask
+runs here without modeling code of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..base import inspect_base_model
+from ..verify import layer_masks
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values in fixed buffers; `slots` says where the next block goes."""
+
+    def __init__(self, slots: "Slots"):
+        super().__init__()
+        self.slots = slots
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        shape = (self.slots.rows, key_states.shape[1], self.slots.capacity)
+        self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
+        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        row, start, width = self.slots.row, self.slots.start, self.slots.width
+        if row is not None:  # one row's prompt (prefill): a contiguous block from `start`
+            end = start + key_states.shape[2]
+            self.keys[row, :, start:end] = key_states[0]
+            self.values[row, :, start:end] = value_states[0]
+            return self.keys[row: row + 1, :, :end], self.values[row: row + 1, :, :end]
+        # One new token per row, each at its own column.
+        rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+        self.keys[rows, :, start] = key_states[:, :, 0]
+        self.values[rows, :, start] = value_states[:, :, 0]
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_seq_length(self) -> int:
+        return self.slots.width
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slots.width, 0
+
+    def get_max_length(self) -> int:
+        return self.slots.capacity
+
+
+class Slots(Cache):
+    """The cache of all rows. Before each forward the engine says where it writes: `row` and an int
+    `start` for one row's prefill, or `row=None` and a tensor `start` [rows] for a decode step;
+    `width` is how many columns attention reads."""
+
+    def __init__(self, n_layers: int, rows: int, capacity: int):
+        self.rows, self.capacity = rows, capacity
+        self.row, self.start, self.width = None, 0, 0
+        super().__init__(layers=[SlotLayer(self) for _ in range(n_layers)])
+
+
+@dataclass
+class Request:
+    key: object                 # returned with the answer, so the caller can match it
+    input_ids: list[int]
+    temperature: float = 0.0    # 0: greedy
+    max_new_tokens: int | None = None  # None: decode_stream's
+
+
+def _n_layers(model: nn.Module) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config.num_hidden_layers
+
+
+def _pick(logits: torch.Tensor, temperature: torch.Tensor, top_p: float, generator) -> torch.Tensor:
+    """Next tokens [rows] from last-position logits [rows, V]: argmax where temperature [rows] is 0,
+    temperature + nucleus sampling elsewhere."""
+    greedy = logits.argmax(-1)
+    if not bool((temperature > 0).any()):
+        return greedy
+    probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.where(temperature > 0, torch.multinomial(probs, 1, generator=generator)[:, 0], greedy)
+
+
+def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *, rows: int = 64,
+                  max_new_tokens: int = 512, capacity: int | None = None, top_p: float = 1.0, pad_token_id: int = 0, seed: int = 0) -> Iterator[tuple[object, list[int]]]:
+    """Answer `requests` (a deque of Request, which the caller may extend while iterating, e.g. with
+    a conversation's next turn) and yield (key, new tokens through the first eos) as each row ends.
+
+    A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default
+    the longest request + max_new_tokens). Greedy unless the request has a temperature.
+    """
+    spec = inspect_base_model(model)  # read per call: the caller may switch attention implementations
+    device = model.get_input_embeddings().weight.device
+    dtype = model.get_output_embeddings().weight.dtype
+    if capacity is None:
+        capacity = max((len(r.input_ids) for r in requests), default=1) + max_new_tokens
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache = Slots(_n_layers(model), rows, capacity)
+    eos = torch.tensor(sorted(eos_token_ids), device=device)
+    length = torch.zeros(rows, dtype=torch.long, device=device)   # valid columns per row
+    last = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)  # the token to feed next
+    active = [None] * rows  # per row: (key, new tokens) or None when free
+    temperature = torch.zeros(rows, device=device)
+    limit = [max_new_tokens] * rows
+    columns = torch.arange(capacity, device=device)
+
+    def fill(row: int) -> bool:
+        """Prefill the next request that fits into `row`; False when none is left."""
+        while requests:
+            request = requests.popleft()
+            n = len(request.input_ids)
+            if n == 0 or n >= capacity:
+                yield_later.append((request.key, []))  # nothing to answer in, or no room to answer
+                continue
+            ids = torch.tensor([request.input_ids], device=device)
+            cache.row, cache.start, cache.width = row, 0, n
+            pos = columns[None, :n]
+            mask = layer_masks(spec, torch.ones(1, n, n, dtype=torch.bool, device=device).tril_(), pos, pos, dtype)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                        use_cache=True, logits_to_keep=1)
+            temperature[row] = request.temperature
+            limit[row] = request.max_new_tokens or max_new_tokens
+            first = _pick(out.logits[:, -1], temperature[row: row + 1], top_p, generator)
+            length[row], last[row] = n, first[0]
+            active[row] = (request.key, [int(first[0])])
+            return True
+        return False
+
+    yield_later: list[tuple[object, list[int]]] = []
+    with torch.inference_mode():
+        for row in range(rows):
+            if not fill(row):
+                break
+        while True:
+            for item in yield_later:
+                yield item
+            yield_later.clear()
+            # Rows whose first token already ends them (eos, or max_new_tokens == 1).
+            for row in range(rows):
+                if active[row] is not None:
+                    key, tokens = active[row]
+                    if tokens[-1] in eos_token_ids or len(tokens) >= limit[row] or length[row] + 1 >= capacity:
+                        active[row] = None
+                        yield key, tokens
+                        fill(row)
+            if not any(a is not None for a in active):
+                for item in yield_later:
+                    yield item
+                return
+            busy = torch.tensor([a is not None for a in active], device=device)
+            # A free row decodes a pad token at column 0 of its own (unused) row: harmless, and it keeps
+            # every step one dense [rows, 1] forward.
+            start = torch.where(busy, length, 0)
+            width = int(start.max()) + 1
+            cache.row, cache.start, cache.width = None, start, width
+            mask = layer_masks(spec, (columns[None, :width] <= start[:, None])[:, None, :], start[:, None],
+                               columns[None, :width], dtype)
+            out = model(input_ids=last[:, None], attention_mask=mask, position_ids=start[:, None], cache=cache,
+                        use_cache=True)
+            nxt = _pick(out.logits[:, -1], temperature, top_p, generator)
+            length += busy.long()
+            last = torch.where(busy, nxt, last)
+            done = busy & (torch.isin(nxt, eos) | (length + 1 >= capacity))
+            picked = nxt.tolist()  # one sync per step
+            for row, a in enumerate(active):
+                if a is None:
+                    continue
+                a[1].append(picked[row])
+                if done[row] or len(a[1]) >= limit[row]:
+                    active[row] = None
+                    yield a
+                    fill(row)

@@ -1,0 +1,128 @@
+"""Where distilled conversations live: one JSONL file, or a folder of gzipped chunks that any
+machine can continue (and a repository can hold: the chunks are written once, never rewritten).
+
+A folder holds `part-00000.jsonl.gz`, `part-00001.jsonl.gz`, ... (complete, immutable) and
+`open.jsonl`, the chunk being written, fsynced after every append. When `open.jsonl` holds
+`chunk_size` records it is compressed into the next part (written aside, fsynced, renamed) and
+removed; a kill at any point leaves either the open file or the part, and the next start drops a
+duplicate open file and a line cut short.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+OPEN = "open.jsonl"
+
+
+def _parts(folder: Path) -> list[Path]:
+    return sorted(folder.glob("part-*.jsonl.gz"))
+
+
+def _complete_lines(file: Path) -> bytes:
+    """The file's bytes through its last newline; a final line cut short by a kill is cut off on disk."""
+    data = file.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with open(file, "r+b") as f:
+            f.truncate(len(complete))
+    return complete
+
+
+def _records(data: bytes, source: Path) -> list[dict]:
+    records = []
+    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{source}:{number}: not a distill record; write to a new --output") from None
+        if not isinstance(record, dict) or "id" not in record:
+            raise ValueError(f"{source}:{number}: not a distill record (no id); write to a new --output")
+        records.append(record)
+    return records
+
+
+def is_folder(path: str | Path) -> bool:
+    """A path ending in .jsonl is one file; anything else is a chunked folder."""
+    return not str(path).endswith(".jsonl")
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Every record of a file or folder, in the order written (a cut-short last line is dropped)."""
+    path = Path(path)
+    if not is_folder(path):
+        return _records(_complete_lines(path), path) if path.is_file() else []
+    if not path.is_dir():
+        return []
+    records = [r for part in _parts(path) for r in _records(gzip.decompress(part.read_bytes()), part)]
+    open_file = path / OPEN
+    if open_file.is_file():
+        seen = {r["id"] for r in records}
+        # A kill between writing a part and removing open.jsonl leaves its records twice.
+        records += [r for r in _records(_complete_lines(open_file), open_file) if r["id"] not in seen]
+    return records
+
+
+class ConversationStore:
+    """Append-only writer; `done` holds the ids already written (the resume key)."""
+
+    def __init__(self, path: str | Path, chunk_size: int = 2000):
+        self.path, self.chunk_size = Path(path), chunk_size
+        self.folder = is_folder(self.path)
+        if self.folder:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._seal_if_duplicate()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.done = {r["id"] for r in read_records(self.path)}
+        self._file = self.path / OPEN if self.folder else self.path
+        self._open_count = len(_records(_complete_lines(self._file), self._file)) if self._file.is_file() else 0
+
+    def _seal_if_duplicate(self) -> None:
+        """After a kill between sealing a part and removing open.jsonl, the open file is a copy."""
+        open_file, parts = self.path / OPEN, _parts(self.path)
+        if open_file.is_file() and parts:
+            last = {r["id"] for r in _records(gzip.decompress(parts[-1].read_bytes()), parts[-1])}
+            opened = {r["id"] for r in _records(_complete_lines(open_file), open_file)}
+            if opened and opened <= last:
+                open_file.unlink()
+
+    def append(self, records: list[dict]) -> None:
+        if not records:
+            return
+        with open(self._file, "a", encoding="utf-8") as out:
+            for record in records:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+            os.fsync(out.fileno())  # a written answer survives even a machine crash
+        self.done.update(r["id"] for r in records)
+        self._open_count += len(records)
+        if self.folder and self._open_count >= self.chunk_size:
+            self.seal()
+
+    def seal(self) -> None:
+        """Compress open.jsonl into the next part (no-op for a single file or an empty chunk)."""
+        open_file = self.path / OPEN
+        if not self.folder or not open_file.is_file() or self._open_count == 0:
+            return
+        parts = _parts(self.path)
+        number = int(parts[-1].name.split("-")[1].split(".")[0]) + 1 if parts else 0
+        part = self.path / f"part-{number:05d}.jsonl.gz"
+        tmp = part.with_name(f".{part.name}.tmp")
+        # mtime=0: the same records always give the same bytes (stable in a repository).
+        tmp.write_bytes(gzip.compress(_complete_lines(open_file), compresslevel=9, mtime=0))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, part)
+        directory = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        open_file.unlink()
+        self._open_count = 0

@@ -1,0 +1,132 @@
+"""The distillation data engine: continuous-batching decode (engine.py) and the chunked
+conversation store (store.py)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import deque
+
+import pytest
+import torch
+
+from medusa_spec.train.data import read_conversations
+from medusa_spec.train.engine import Request, decode_stream
+from medusa_spec.train.store import ConversationStore, read_records
+from tiny_models import ARCHITECTURES, tiny_model
+
+EOS = 2
+
+
+def reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy answer, through the first eos."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
+                         pad_token_id=0)[0, len(ids):].tolist()
+    return out[: next((i + 1 for i, t in enumerate(out) if t == EOS), len(out))]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_rows_equal_transformers_generate_with_refills(arch):
+    """More requests than rows, of mixed lengths and answer limits: every row, refilled or not,
+    answers exactly what transformers' generate answers alone."""
+    model = tiny_model(arch)
+    asks = prompts(9)
+    limits = [12, 3, 12, 7, 12, 1, 12, 12, 5]
+    requests = deque(Request(i, ids, max_new_tokens=limits[i]) for i, ids in enumerate(asks))
+    got = dict(decode_stream(model, requests, {EOS}, rows=3, max_new_tokens=12, capacity=32))
+    assert sorted(got) == list(range(9))
+    for i, ids in enumerate(asks):
+        assert got[i] == reference(model, ids, limits[i]), (arch, i)
+
+
+def test_requests_added_while_decoding_are_answered():
+    """The caller extends the queue (a conversation's next turn) while rows are running."""
+    model = tiny_model("llama")
+    asks = prompts(4, seed=1)
+    requests = deque(Request(i, ids) for i, ids in enumerate(asks))
+    answers = {}
+    for key, tokens in decode_stream(model, requests, {EOS}, rows=2, max_new_tokens=6, capacity=64):
+        answers[key] = tokens
+        if isinstance(key, int):
+            requests.appendleft(Request(("next", key), asks[key] + tokens + [5, 6]))
+    for i, ids in enumerate(asks):
+        assert answers[("next", i)] == reference(model, ids + answers[i] + [5, 6], 6)
+
+
+def test_no_room_and_empty_requests_come_back_empty():
+    model = tiny_model("llama")
+    requests = deque([Request("long", list(range(3, 40))), Request("empty", []), Request("ok", [5, 6, 7])])
+    got = dict(decode_stream(model, requests, {EOS}, rows=2, max_new_tokens=4, capacity=16))
+    assert got["long"] == [] and got["empty"] == [] and got["ok"] == reference(model, [5, 6, 7], 4)
+    # A row whose cache fills up ends there, not past its buffer.
+    got = dict(decode_stream(model, deque([Request("tight", list(range(3, 13)))]), set(), rows=1, max_new_tokens=50,
+                             capacity=14))
+    assert len(got["tight"]) == 14 - 10
+
+
+def test_sampling_rows_with_a_tiny_nucleus_are_greedy_and_greedy_rows_stay_greedy():
+    """Per-request temperature: top_p -> 0 keeps only the argmax, so sampled rows equal greedy ones;
+    a temperature-1 row beside them samples (differs from greedy for some seed)."""
+    model = tiny_model("llama", lm_head_scale=1.0)
+    asks = prompts(4, seed=2)
+    greedy = dict(decode_stream(model, deque(Request(i, ids) for i, ids in enumerate(asks)), set(), rows=4,
+                                max_new_tokens=10))
+    nucleus = dict(decode_stream(model, deque(Request(i, ids, temperature=1.0) for i, ids in enumerate(asks)), set(),
+                                 rows=4, max_new_tokens=10, top_p=1e-6))
+    assert nucleus == greedy
+    mixed = [dict(decode_stream(model, deque([Request("g", asks[0]), Request("s", asks[1], temperature=1.0)]), set(),
+                                rows=2, max_new_tokens=10, seed=seed)) for seed in range(3)]
+    assert all(m["g"] == greedy[0] for m in mixed)
+    assert any(m["s"] != greedy[1] for m in mixed)
+
+
+def record(i: int) -> dict:
+    return {"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+
+
+def test_store_seals_chunks_and_resumes(tmp_path):
+    folder = tmp_path / "data"
+    store = ConversationStore(folder, chunk_size=4)
+    store.append([record(i) for i in range(3)])
+    store.append([record(i) for i in range(3, 6)])
+    assert sorted(p.name for p in folder.iterdir()) == ["part-00000.jsonl.gz"]  # sealed at 6 >= 4
+    assert len(gzip.decompress((folder / "part-00000.jsonl.gz").read_bytes()).splitlines()) == 6
+    store.append([record(6)])
+    # A kill mid-line: the cut line is dropped, everything before it is kept.
+    with open(folder / "open.jsonl", "a") as f:
+        f.write('{"id": "p7", "mess')
+    again = ConversationStore(folder, chunk_size=4)
+    assert again.done == {f"p{i}" for i in range(7)}
+    again.append([record(7), record(8), record(9)])
+    assert [r["id"] for r in read_records(folder)] == [f"p{i}" for i in range(10)]
+    assert len(read_conversations(folder)) == 10
+    # The same records always give the same bytes (a repository holds them without churn).
+    other = ConversationStore(tmp_path / "again", chunk_size=4)
+    other.append([record(i) for i in range(6)])
+    assert (tmp_path / "again" / "part-00000.jsonl.gz").read_bytes() == (folder / "part-00000.jsonl.gz").read_bytes()
+
+
+def test_store_drops_the_open_copy_left_by_a_kill_after_sealing(tmp_path):
+    folder = tmp_path / "data"
+    store = ConversationStore(folder, chunk_size=100)
+    store.append([record(i) for i in range(3)])
+    kept = (folder / "open.jsonl").read_bytes()
+    store.seal()
+    (folder / "open.jsonl").write_bytes(kept)  # as if killed between the rename and the unlink
+    assert [r["id"] for r in read_records(folder)] == ["p0", "p1", "p2"]
+    again = ConversationStore(folder)
+    assert not (folder / "open.jsonl").exists() and again.done == {"p0", "p1", "p2"}
+    again.append([record(3)])
+    again.seal()
+    assert [r["id"] for r in read_records(folder)] == ["p0", "p1", "p2", "p3"]
+
+
+def test_a_single_file_output_stays_one_jsonl(tmp_path):
+    file = tmp_path / "out.jsonl"
+    ConversationStore(file, chunk_size=2).append([record(i) for i in range(5)])
+    assert [json.loads(line)["id"] for line in file.read_text().splitlines()] == [f"p{i}" for i in range(5)]
