@@ -10,6 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,6 +38,8 @@ from medusa_spec.train.load import load_model_and_tokenizer
 from medusa_spec.train.loop import TrainConfig, TrainModule, train
 from medusa_spec.train.loss import heads_loss, kl_to_teacher, linear_cross_entropy, shifted_cross_entropy
 from medusa_spec.train.options import resolve
+from medusa_spec.train.server import ServerError, distill_via_server
+from medusa_spec.train.store import read_records
 
 WORDS = 24  # the counting vocabulary w0 .. w23, cyclic
 SPECIAL = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -606,3 +613,65 @@ def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
         resolve(TrainConfig, parser.parse_args(["train"]), "train")
     with pytest.raises(ValueError, match="--cache-hidden needs a frozen base"):
         TrainConfig(model="m", data=["d"], output_dir="o", mode="medusa2", cache_hidden=True)
+
+
+# ---------------------------------------------------------------- distillation through a server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(base_dir):
+    """`transformers serve` (an OpenAI-compatible server) with the counting model, on loopback."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving] (the dev extra installs it)")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving] (the dev extra installs it)")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", str(base_dir),
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):  # the server imports FastAPI and loads the model first
+            if server.poll() is not None:
+                pytest.fail(f"transformers serve exited: {server.stderr.read().decode()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("transformers serve did not come up within 120 s")
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_distill_through_a_server_matches_local_distillation_and_resumes(base_dir, served, tmp_path):
+    """The same conversations (turn by turn) as the local engine, greedy, through a real
+    OpenAI-compatible server; a rerun skips what is stored."""
+    prompts = [Prompt("two", ("count from w2", "count from w20"))] + [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(4)]
+    local = tmp_path / "local.jsonl"
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    distill(base_model, tokenizer, prompts, distill_settings(base_dir, local, max_new_tokens=6), progress=False)
+    remote = tmp_path / "remote"
+    cfg = DistillConfig(model=None, prompts=[], output=str(remote), server=served, max_new_tokens=6, concurrency=3)
+    first = distill_via_server(prompts[:3], cfg, progress=False)
+    assert first["written"] == 3 and first["new_tokens"] > 0
+    second = distill_via_server(prompts, cfg, progress=False)
+    assert (second["skipped_finished"], second["written"]) == (3, 2)
+    expected = {r["id"]: r["messages"] for r in map(json.loads, local.read_text().splitlines())}
+    assert {r["id"]: r["messages"] for r in read_records(remote)} == expected
+
+
+def test_distill_server_errors_name_the_fix(tmp_path):
+    cfg = DistillConfig(model=None, prompts=[], output=str(tmp_path / "out"), server=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ServerError, match="cannot reach .* start the server"):
+        distill_via_server([Prompt("p", ("hi",))], cfg, progress=False)
+    with pytest.raises(ValueError, match="--self-prompts and --follow-ups need"):
+        distill_via_server([], DistillConfig(model=None, prompts=[], output="x", server="http://h", follow_ups=0.5),
+                           progress=False)

@@ -17,6 +17,7 @@ from .evaluate import calibrate_tree, evaluate
 from .load import load_model_and_tokenizer
 from .loop import TrainConfig, TrainModule, train
 from .options import add_options, resolve
+from .server import distill_via_server
 
 
 def run_distill(args) -> int:
@@ -25,6 +26,11 @@ def run_distill(args) -> int:
     for spec in cfg.prompts:
         path, limit = parse_prompt_spec(spec)
         prompts += read_prompts(path, cfg.prompt_field, limit)
+    if cfg.server:
+        print(json.dumps(distill_via_server(prompts, cfg)))
+        return 0
+    if cfg.model is None:
+        raise SystemExit("distill: give --model FOLDER (the base model answers locally) or --server URL")
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.dtype, cfg.plain_text)
     model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -36,7 +36,8 @@ _SENTINEL = "\x00medusa-spec-user-turn\x00"
 class DistillConfig:
     """Settings of `medusa-spec distill` (the flags are generated from these fields)."""
 
-    model: str = option(None, "local folder of the base model and tokenizer (save_pretrained layout)", required=True)
+    model: str | None = option(None, "local folder of the base model and tokenizer (save_pretrained layout); "
+                                     "not needed with --server")
     prompts: list[str] = option(None, "prompt JSONL files, each FILE or FILE:N (the first N prompts of FILE)",
                                 required=True)
     output: str = option(None, "where conversations go: FILE.jsonl, or a folder of gzipped chunks (resumable; "

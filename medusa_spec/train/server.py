@@ -1,0 +1,117 @@
+"""Distillation through an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server,
+`transformers serve`): the scale-out route for models too large for this process.
+
+The same conversations as local distillation (turn by turn, each later turn asked after the
+model's own answers), sent `concurrency` at a time to `POST {url}/v1/chat/completions`, stored
+the same way (store.py) and resumable the same way: conversations already stored are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .data import Prompt
+from .store import ConversationStore
+
+
+class ServerError(RuntimeError):
+    """The server refused a request or answered something that is not a chat completion."""
+
+
+def _call(url: str, payload: dict | None, timeout: float) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        body = err.read().decode(errors="replace")[:300]
+        raise ServerError(f"{url} answered HTTP {err.code}: {body}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+        raise ServerError(f"cannot reach {url} ({err}); start the server, or check --server "
+                          f"(e.g. http://127.0.0.1:8000)") from None
+    except json.JSONDecodeError:
+        raise ServerError(f"{url} did not answer JSON; is --server an OpenAI-compatible server?") from None
+
+
+def served_model(base_url: str, timeout: float = 30) -> str:
+    """The first model the server lists (GET /v1/models)."""
+    listing = _call(f"{base_url}/v1/models", None, timeout)
+    models = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
+    if not models or not models[0]:
+        raise ServerError(f"{base_url}/v1/models lists no model; pass --server-model NAME")
+    return models[0]
+
+
+def _converse(base_url: str, model: str, prompt: Prompt, cfg, timeout: float) -> tuple[dict | None, int]:
+    """One conversation, turn by turn; returns ({"id", "messages"} or None if the first turn was refused
+    as too long, answer tokens)."""
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    tokens = 0
+    for turn in prompt.turns:
+        payload = {"model": model, "messages": messages + [{"role": "user", "content": turn}],
+                   "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature if cfg.do_sample else 0.0,
+                   "seed": cfg.seed}
+        if cfg.do_sample:
+            payload["top_p"] = cfg.top_p
+        try:
+            reply = _call(f"{base_url}/v1/chat/completions", payload, timeout)
+        except ServerError as err:
+            # A server refuses a prompt past its context length with HTTP 400: like a local
+            # prompt over --max-prompt-tokens, the conversation ends before that turn.
+            if "HTTP 400" not in str(err):
+                raise
+            break
+        try:
+            text = reply["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"{base_url}: not a chat completion: {json.dumps(reply)[:300]}") from None
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": (text or "").strip()}]
+        tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, tokens
+    return {"id": prompt.id, "messages": messages}, tokens
+
+
+def distill_via_server(prompts: list[Prompt], cfg, progress: bool = True, timeout: float = 600) -> dict:
+    """Answer every prompt not yet in cfg.output through the server at cfg.server; returns counts."""
+    if cfg.self_prompts or cfg.follow_ups:
+        raise ValueError("--self-prompts and --follow-ups need the model's raw chat template, which a chat server "
+                         "hides; run them locally (without --server), or drop them")
+    base_url = cfg.server.rstrip("/").removesuffix("/v1")
+    model = cfg.server_model or served_model(base_url)
+    store = ConversationStore(cfg.output, cfg.chunk_size)
+    todo = [p for p in prompts if p.id not in store.done]
+    stats = {"prompts": len(prompts), "skipped_finished": len(prompts) - len(todo), "written": 0,
+             "skipped_too_long": 0, "new_tokens": 0}
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), unit="conv", disable=not progress, desc=f"distill via {base_url}")
+    with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+        futures = [pool.submit(_converse, base_url, model, p, cfg, timeout) for p in todo]
+        try:
+            for future in as_completed(futures):
+                record, tokens = future.result()
+                stats["new_tokens"] += tokens
+                if record is None:
+                    stats["skipped_too_long"] += 1
+                else:
+                    store.append([record])  # one at a time: a crash loses at most the requests in flight
+                    stats["written"] += 1
+                bar.update(1)
+                bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
+        except BaseException:
+            for future in futures:
+                future.cancel()  # what is stored stays; a rerun resumes from there
+            raise
+    bar.close()
+    stats["seconds"] = round(time.perf_counter() - start, 1)
+    stats["tokens_per_second"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
+    stats["output"] = str(Path(cfg.output))
+    return stats
