@@ -170,8 +170,9 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
             seen.add(text)
             unique.append(p)
     todo = [p for p in unique if p.id not in store.done]
-    # Similar lengths side by side; longest first, so memory trouble shows early.
-    todo.sort(key=lambda p: -len(p.turns[0]))
+    # Similar lengths side by side, shortest first: conversations are stored soonest (the cache is
+    # allocated whole at the start, so memory trouble shows at once whatever the order).
+    todo.sort(key=lambda p: len(p.turns[0]))
     stats = {"prompts": len(prompts), "duplicates": len(prompts) - len(unique),
              "skipped_finished": len(unique) - len(todo), "written": 0,
              "skipped_too_long": 0, "follow_ups": 0, "new_tokens": 0}

@@ -18,6 +18,6 @@ for f in "$TRAIN"/*.jsonl; do
   case $(basename "$f") in gsm8k_train.jsonl) POOLS+=("$f:2000");; *) POOLS+=("$f");; esac
 done
 COMMON=(--model "$MODEL" --output "$OUT" --dtype bfloat16 --batch-size 64 --max-new-tokens 512
-        --max-prompt-tokens 1024 --follow-ups 0.25)
+        --max-prompt-tokens 640 --follow-ups 0.25)
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" --self-prompts "$SELF" "$@"
