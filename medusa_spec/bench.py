@@ -30,6 +30,8 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m != "draft_model")  # every metho
 GREEDY = ("hf_prompt_lookup", "medusa_off", "medusa_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model")
 REFERENCE = "hf_greedy"
 LOOKUP_TOKENS = 10  # as hf_prompt_lookup's prompt_lookup_num_tokens
+# The default prompts ship inside the package, with their licence (data/SOURCE.md), so bench runs from any install.
+MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_question.jsonl"
 
 
 def read_eval_prompts(path: str | Path, per_category: int | None = None) -> list[tuple[str, str]]:
@@ -111,8 +113,8 @@ def bench(mm, tokenizer, prompts: list[tuple[str, str]], max_new_tokens: int = 2
     methods = tuple(methods)
     missing = [m for m in methods if m in DRAFT_METHODS and m not in (drafts or {})]
     if missing:
-        raise ValueError(f"{', '.join(missing)} needs a draft model: pass drafts (bench.draft_models) or, on the command "
-                         f"line, --draft-model DIR for draft_model")
+        raise ValueError(f"{', '.join(missing)} needs a draft model: pass drafts (bench.draft_models) or, on the "
+                         f"command line, --draft-model DIR for draft_model")
     torch.manual_seed(seed)
     warm = encode(tokenizer, "Hello")
     for method in methods:  # first calls pay one-off costs (allocations, kernel selection)
@@ -146,7 +148,8 @@ def summarize(records: list[dict]) -> dict:
             steps = [r["steps"] for r in rs]
             figures = {"prompts": len(rs), "new_tokens": sum(r["new_tokens"] for r in rs),
                        "tokens_per_second": round(rate[method], 2),
-                       "tokens_per_step": round(sum(r["new_tokens"] for r in rs) / sum(steps), 3) if None not in steps else None,
+                       "tokens_per_step": (round(sum(r["new_tokens"] for r in rs) / sum(steps), 3)
+                                           if None not in steps else None),
                        "speedup": round(rate[method] / rate[REFERENCE], 3) if REFERENCE in rate else None}
             if method in GREEDY and REFERENCE in rate:
                 figures["equal_to_reference"] = round(sum(r["equal_to_reference"] for r in rs) / len(rs), 3)

@@ -13,13 +13,11 @@ import torch
 from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
-from .generate import generate_with_lookup
 from .formats import add_convert_command
-from .train.cli import add_train_commands
+from .generate import generate_with_lookup
 from .model import MedusaModel
+from .train.cli import add_train_commands
 
-# The evaluation prompts beside this repository (../shared/data/eval, see its SOURCES.md).
-DEFAULT_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench_question.jsonl"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,7 +30,8 @@ def _tree_arg(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"--tree must be JSON rank paths such as '[[0],[1],[0,0]]' or 'off', got {text!r}")
+        raise argparse.ArgumentTypeError(f"--tree must be JSON rank paths such as '[[0],[1],[0,0]]' or 'off', "
+                                         f"got {text!r}")
 
 
 def _sampling_kwargs(args) -> dict:
@@ -67,9 +66,7 @@ def load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path = args.model or default_model.prepare()
-    heads = args.heads
-    if heads is None and args.model is None and (default_model.HEADS_DIR / "medusa_config.json").is_file():
-        heads = default_model.HEADS_DIR
+    heads = _heads_path(args)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
@@ -78,6 +75,13 @@ def load(args):
     if getattr(args, "tree", None) == "auto":
         args.tree, args.tree_table = _auto_tree(mm)
     return mm, tokenizer
+
+
+def _heads_path(args):
+    """--heads; without it and --model, the default model's shipped heads; else None (untrained heads)."""
+    if args.heads is None and args.model is None:
+        return default_model.shipped_heads()
+    return args.heads
 
 
 def _auto_tree(mm):
@@ -98,7 +102,8 @@ def _check_proposer_options(args) -> None:
     if args.draft_model is not None and args.self_draft_layers is not None:
         raise ValueError("--draft-model and --self-draft-layers each choose a draft model; give one of them")
     if uses_draft and args.lookup:
-        raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a draft model: drop one")
+        raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a draft model: "
+                         "drop one")
     if args.lookup is None:  # on by default with the heads: lossless, and it wins wherever text repeats
         args.lookup = 0 if uses_draft else bench.LOOKUP_TOKENS
     if args.documents and not args.lookup:
@@ -186,7 +191,8 @@ def chat(args) -> int:
                           **_sampling_kwargs(args))
         reply = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
-        print(f"[{out.stats.tokens_per_second:.1f} tok/s, {out.stats.tokens_per_step:.2f} tokens/step]", file=sys.stderr)
+        print(f"[{out.stats.tokens_per_second:.1f} tok/s, {out.stats.tokens_per_step:.2f} tokens/step]",
+              file=sys.stderr)
     return 0
 
 
@@ -202,24 +208,26 @@ def run_bench(args) -> int:
             print(f"[self_draft left out: it supports {', '.join(SELF_DRAFT_FAMILIES)} models]", file=sys.stderr)
     drafts = bench.draft_models(mm.base_model, methods, args.self_draft_layers,
                                 load_draft_model(args) if "draft_model" in methods else None)
-    prompts = bench.read_eval_prompts(args.prompts, args.per_category)
+    prompts = bench.read_eval_prompts(args.prompts, args.per_category)[: args.limit]
     records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, methods, seed=args.seed,
                           drafts=drafts, lookup_tokens=args.lookup)
-    meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(args.heads or default_model.HEADS_DIR),
+    heads = _heads_path(args)
+    meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(heads) if heads else None,
             "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
             "methods": list(methods), "lookup_tokens": args.lookup, "self_draft_layers": args.self_draft_layers,
             "draft_model": args.draft_model, "tree_auto_table": getattr(args, "tree_table", None),
             "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype}
     report = bench.write_report(records, args.out, meta)
     print(bench.markdown(report["summary"]))
-    print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if report["plotted"] else " (pip install matplotlib for bench.png)"))
+    plot = ", bench.png" if report["plotted"] else " (pip install matplotlib for bench.png)"
+    print(f"wrote {args.out}/bench.json, bench.md{plot}")
     return 0
 
 
 def _add_model_options(parser) -> None:
     parser.add_argument("--model", default=None,
-                        help="local folder of a transformers causal LM with its tokenizer (default: SmolLM2-135M-Instruct "
-                             f"from the {default_model.DISTRIBUTION} package)")
+                        help="local folder of a transformers causal LM with its tokenizer (default: "
+                             f"SmolLM2-135M-Instruct from the {default_model.DISTRIBUTION} package)")
     parser.add_argument("--heads", default=None,
                         help="adapter folder (default: the shipped heads for the default model, else untrained heads)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -252,8 +260,8 @@ def _positive_int(text: str) -> int:
 def _add_proposer_options(parser) -> None:
     parser.add_argument("--lookup", type=_non_negative_int, default=None, metavar="N",
                         help="also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the "
-                             f"output and --documents) in the same pass as the heads' tree (default {bench.LOOKUP_TOKENS}; "
-                             "0 turns it off)")
+                             f"output and --documents) in the same pass as the heads' tree "
+                             f"(default {bench.LOOKUP_TOKENS}; 0 turns it off)")
     parser.add_argument("--documents", nargs="+", default=None, metavar="FILE",
                         help="text files whose tokens prompt lookup also searches (with --lookup)")
     parser.add_argument("--draft-model", default=None, metavar="DIR",
@@ -292,8 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("bench", help="compare decoding methods on evaluation prompts")
     _add_model_options(p)
-    p.add_argument("--prompts", default=str(DEFAULT_EVAL), help="MT-bench-shaped JSONL (first turns are used)")
+    p.add_argument("--prompts", default=str(bench.MT_BENCH),
+                   help="MT-bench-shaped JSONL, first turns are used (default: MT-bench's 80 questions, shipped)")
     p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                   help="only the first N prompts (after --per-category), for a quick run")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--tree", type=_tree_arg, default="auto",
                    help="JSON rank paths, or 'auto' (fastest for this machine and the heads' accuracies)")

