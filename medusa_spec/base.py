@@ -48,8 +48,8 @@ def inspect_base_model(base_model: nn.Module) -> BaseSpec:
     missing = [p for p in ("attention_mask", "position_ids", "cache") if p not in params]
     if missing:
         raise UnsupportedModelError(
-            f"{name}.forward takes no {', '.join(missing)}: tree verification needs explicit positions, a 4D mask and a "
-            f"KV cache that can be rolled back, which recurrent or state-space models do not have")
+            f"{name}.forward takes no {', '.join(missing)}: tree verification needs explicit positions, a 4D mask "
+            f"and a KV cache that can be rolled back, which recurrent or state-space models do not have")
     text_config = config.get_text_config(decoder=True)
     window = getattr(text_config, "sliding_window", None)
     layer_types = getattr(text_config, "layer_types", None)

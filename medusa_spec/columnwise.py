@@ -12,6 +12,7 @@ fp32 rounding order, as between any two matmul kernels.
 from __future__ import annotations
 
 from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.nn import functional as F

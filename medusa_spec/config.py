@@ -55,7 +55,8 @@ class MedusaConfig:
         for name in ("num_heads", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "num_heads" else 0):
-                raise ValueError(f"MedusaConfig.{name} must be an integer >= {1 if name == 'num_heads' else 0}, got {value!r}")
+                raise ValueError(f"MedusaConfig.{name} must be an integer >= {1 if name == 'num_heads' else 0}, "
+                                 f"got {value!r}")
         if not isinstance(self.share_lm_head, bool):
             raise ValueError(f"MedusaConfig.share_lm_head must be true or false, got {self.share_lm_head!r}")
         if self.head_type not in HEAD_TYPES:
@@ -64,9 +65,10 @@ class MedusaConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer or null, got {value!r}")
-        if self.draft_vocab_size is not None and self.vocab_size is not None and self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"MedusaConfig.draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size}); "
-                             f"use at most the full vocabulary, or null for all of it")
+        if (self.draft_vocab_size is not None and self.vocab_size is not None
+                and self.draft_vocab_size > self.vocab_size):
+            raise ValueError(f"MedusaConfig.draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size "
+                             f"({self.vocab_size}); use at most the full vocabulary, or null for all of it")
         if not isinstance(self.context_heads, int) or isinstance(self.context_heads, bool) or self.context_heads < 0:
             raise ValueError(f"MedusaConfig.context_heads must be an integer >= 0, got {self.context_heads!r}")
         if self.context_heads and self.hidden_size and self.hidden_size % self.context_heads:
@@ -87,10 +89,12 @@ class MedusaConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            warnings.warn(f"{source}: ignoring unknown MedusaConfig keys {unknown} (written by a newer medusa_spec?)", stacklevel=2)
+            warnings.warn(f"{source}: ignoring unknown MedusaConfig keys {unknown} (written by a newer medusa_spec?)",
+                          stacklevel=2)
         version = data.get("format_version", FORMAT_VERSION)
         if isinstance(version, int) and version > FORMAT_VERSION:
-            warnings.warn(f"{source}: format_version {version} is newer than this library's {FORMAT_VERSION}; upgrade medusa_spec", stacklevel=2)
+            warnings.warn(f"{source}: format_version {version} is newer than this library's {FORMAT_VERSION}; "
+                          "upgrade medusa_spec", stacklevel=2)
         try:
             return cls(**{k: v for k, v in data.items() if k in known})
         except (TypeError, ValueError) as err:  # e.g. a value of the wrong type in the JSON

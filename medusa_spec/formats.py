@@ -132,8 +132,8 @@ def _check_lm_head_copy(copy: torch.Tensor, key: str, base_lm_head: nn.Module | 
     """The vLLM checkpoint's copy of the base LM head (all rows, or the token map's) must be the base's own."""
     if base_lm_head is None:
         raise ValueError(f"{source} holds {key}, its own copy of the base model's LM head (original_lm_head), which "
-                         f"must be checked against the base model's; pass the base model (convert(..., base_model=...), "
-                         f"--base-model PATH)")
+                         f"must be checked against the base model's; pass the base model "
+                         f"(convert(..., base_model=...), --base-model PATH)")
     expected = base_lm_head.weight.detach()
     if token_map is not None and copy.shape[0] != expected.shape[0]:
         expected = expected[token_map.to(expected.device)]
@@ -150,7 +150,8 @@ def _check_lm_head_copy(copy: torch.Tensor, key: str, base_lm_head: nn.Module | 
 
 
 def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, base_model_name_or_path,
-                        name=lambda key: key, full_vocab_size: int | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+                        name=lambda key: key,
+                        full_vocab_size: int | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Config and checked state dict of heads whose tensors, renamed to medusa_spec's layout, are `tensors`.
     Counts are read off the names; `stated` holds the counts the format's config claims, to warn about;
     `name` maps a key back to the file's own naming, for messages. With a `token_map` (vLLM's truncated
@@ -159,7 +160,8 @@ def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, 
     hidden_size = vocab_size = dtype = None
     for key, tensor in tensors.items():
         if m := _BLOCK_KEY.fullmatch(key):
-            counts["heads"], counts["layers"] = max(counts["heads"], int(m[1]) + 1), max(counts["layers"], int(m[2]) + 1)
+            counts["heads"] = max(counts["heads"], int(m[1]) + 1)
+            counts["layers"] = max(counts["layers"], int(m[2]) + 1)
         elif m := _PROJECTION_KEY.fullmatch(key):
             counts["heads"] = max(counts["heads"], int(m[1]) + 1)
             counts["projections"] += 1
@@ -178,7 +180,8 @@ def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, 
     if "token_map" in tensors:
         draft_vocab_size, vocab_size = tensors["token_map"].numel(), full_vocab_size
         tensors = {**tensors, "token_map": tensors["token_map"].long()}
-    config = MedusaConfig(num_heads=counts["heads"], num_layers=counts["layers"], share_lm_head=counts["projections"] == 0,
+    config = MedusaConfig(num_heads=counts["heads"], num_layers=counts["layers"],
+                          share_lm_head=counts["projections"] == 0,
                           hidden_size=hidden_size, vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
                           base_model_name_or_path=base_model_name_or_path)
     expected = io.expected_shapes(config, source)
@@ -262,15 +265,16 @@ def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, tor
             raise ValueError(f"{path}: vLLM's format stores the LM head these heads share (lm_head.weight); pass "
                              f"base_model= (medusa-spec convert --base-model PATH) to copy it from the base model")
         if base_lm_head.bias is not None and bool(base_lm_head.bias.any()):
-            raise ValueError(f"{path}: the base model's LM head has a bias, which vLLM's Medusa LM head (lm_head.weight "
-                             f"only) cannot hold, so vLLM would draft other tokens than these heads; keep them in "
-                             f"medusa_spec's format (--to medusa_spec)")
+            raise ValueError(f"{path}: the base model's LM head has a bias, which vLLM's Medusa LM head "
+                             f"(lm_head.weight only) cannot hold, so vLLM would draft other tokens than these heads; "
+                             f"keep them in medusa_spec's format (--to medusa_spec)")
         base_lm_head = base_lm_head.weight
         if config.hidden_size is not None and base_lm_head.shape[1] != config.hidden_size:
             raise ValueError(f"{path}: the base LM head has hidden size {base_lm_head.shape[1]} but the heads have "
                              f"{config.hidden_size}; pass the base model the heads were trained for")
         # With a token map vLLM's LM head holds only the draft vocabulary's rows.
-        rows = base_lm_head if "token_map" not in tensors else base_lm_head[tensors["token_map"].to(base_lm_head.device)]
+        rows = (base_lm_head if "token_map" not in tensors
+                else base_lm_head[tensors["token_map"].to(base_lm_head.device)])
         tensors["lm_head.weight"] = rows.detach().contiguous().cpu()
     projection_rows = tensors["lm_head.weight" if config.share_lm_head else "lm_heads.0.weight"].shape[0]
     vocab_size = config.vocab_size or (base_lm_head.shape[0] if base_lm_head is not None else projection_rows)

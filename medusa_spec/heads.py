@@ -82,8 +82,8 @@ class MedusaHeads(nn.Module):
     def set_token_map(self, token_map: torch.Tensor, base_lm_head: nn.Module) -> None:
         """Use the draft vocabulary `token_map` [V'] (token ids, distinct)."""
         if self.token_map is None or token_map.shape != self.token_map.shape:
-            raise ValueError(f"token_map must hold {None if self.token_map is None else self.token_map.numel()} token ids "
-                             f"(the heads' draft_vocab_size), got shape {tuple(token_map.shape)}")
+            raise ValueError(f"token_map must hold {None if self.token_map is None else self.token_map.numel()} "
+                             f"token ids (the heads' draft_vocab_size), got shape {tuple(token_map.shape)}")
         self.token_map.copy_(token_map)
         self.bind_lm_head(base_lm_head)
 
@@ -132,15 +132,18 @@ class MedusaHeads(nn.Module):
             raise RuntimeError("heads with a token map and a shared LM head need bind_lm_head(base_lm_head) first")
         return self.draft_lm_weight, None
 
-    def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+    def head_logits(self, k: int, hidden_states: torch.Tensor, path_embeds: torch.Tensor,
+                    base_lm_head: nn.Module) -> torch.Tensor:
         """Dependent head k: hidden_states [..., H], path_embeds [..., k + 1, H] -> logits [..., V']."""
-        return self.project(self._dependent_state(k, hidden_states, unit_rms(path_embeds).flatten(-2)), base_lm_head, head=k)
+        state = self._dependent_state(k, hidden_states, unit_rms(path_embeds).flatten(-2))
+        return self.project(state, base_lm_head, head=k)
 
     def _dependent_state(self, k: int, hidden_states: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """Dependent head k's state before projection; path [..., (k + 1) H]: unit-RMS path embeddings, concatenated."""
         return self.blocks[k](hidden_states + self.inputs[k](path))
 
-    def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module,
+                next_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """[..., T, H] -> logits [..., T, K, V'] (next_embeds as in states())."""
         return self.project(self.states(hidden_states, next_embeds), base_lm_head)
 

@@ -69,7 +69,8 @@ def original_medusa_heads(num_heads, num_layers, projection=True, seed=3):
     torch.manual_seed(seed)
     hidden, vocab = LLAMA["hidden_size"], LLAMA["vocab_size"]
     return nn.ModuleList(
-        nn.Sequential(*([ResBlock(hidden)] * num_layers), *([nn.Linear(hidden, vocab, bias=False)] if projection else []))
+        nn.Sequential(*([ResBlock(hidden)] * num_layers),
+                      *([nn.Linear(hidden, vocab, bias=False)] if projection else []))
         for _ in range(num_heads))
 
 
@@ -163,7 +164,8 @@ def test_missing_required_config_key_is_an_error(tmp_path):
 def test_invalid_config_values_are_errors(tmp_path):
     random_medusa(tiny_base()).save_heads(tmp_path)
     edit_config(tmp_path, lambda config: config.update(share_lm_head="yes"))
-    with pytest.raises(ValueError, match="medusa_config.json: invalid MedusaConfig .*share_lm_head must be true or false"):
+    with pytest.raises(ValueError,
+                       match="medusa_config.json: invalid MedusaConfig .*share_lm_head must be true or false"):
         MedusaModel.from_pretrained(tiny_base(), tmp_path)
     (tmp_path / "medusa_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="medusa_config.json is not valid JSON"):
@@ -380,9 +382,9 @@ def test_original_medusa_import_counts_heads_from_weights(tmp_path, suffix, proj
     assert (loaded.config.num_heads, loaded.config.num_layers, loaded.config.share_lm_head) == (3, 2, not projection)
     state = loaded.heads.state_dict()
     for h in range(3):
-        for l in range(2):
-            assert torch.equal(state[f"blocks.{h}.layers.{l}.weight"], original[f"{h}.{l}.linear.weight"])
-            assert torch.equal(state[f"blocks.{h}.layers.{l}.bias"], original[f"{h}.{l}.linear.bias"])
+        for layer in range(2):
+            assert torch.equal(state[f"blocks.{h}.layers.{layer}.weight"], original[f"{h}.{layer}.linear.weight"])
+            assert torch.equal(state[f"blocks.{h}.layers.{layer}.bias"], original[f"{h}.{layer}.linear.bias"])
         if projection:
             assert torch.equal(state[f"lm_heads.{h}.weight"], original[f"{h}.2.weight"])
     # Converting straight from the file works too (the .pt's shared ResBlock storage is no obstacle).
@@ -479,7 +481,8 @@ def test_vllm_import_without_biases_and_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "num_hidden_layers": 1,
                                                       "medusa_fc_bias": False, "original_lm_head": True}))
     weight, base = torch.randn(32, 32), tiny_base()
-    save_file({"medusa_heads.blocks.0.layers.0.weight": torch.randn(32, 32), "medusa_heads.blocks.1.layers.0.weight": weight,
+    save_file({"medusa_heads.blocks.0.layers.0.weight": torch.randn(32, 32),
+               "medusa_heads.blocks.1.layers.0.weight": weight,
                "lm_head.weight": base.lm_head.weight.detach().clone()}, str(tmp_path / "model.safetensors"))
     config, state_dict = read_heads(tmp_path, base.lm_head)
     assert config.share_lm_head and config.num_heads == 2

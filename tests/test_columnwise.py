@@ -4,8 +4,7 @@ columnwise_linears (see test_model_untouched for other threads)."""
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel
-from medusa_spec import columnwise
+from medusa_spec import MedusaConfig, MedusaModel, columnwise
 from medusa_spec.columnwise import MAX_ROWS, columnwise_linears, linear
 from tiny_models import VOCAB, tiny_model
 

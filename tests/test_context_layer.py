@@ -19,7 +19,7 @@ from test_dependent_heads import TREE, assert_samples_follow_the_base, head0_acc
 from test_generate import left_padded, prompt, reference_generate
 from test_sampling import SETTINGS
 from test_training import WORDS, make_tokenizer, small_run, tiny_llama
-from tiny_models import ARCHITECTURES, VOCAB, tiny_model
+from tiny_models import tiny_model
 
 
 def random_context(hidden_size=16, num_heads=2, seed=0) -> ContextLayer:
@@ -144,7 +144,8 @@ def repeat_accuracy(adapter, base, tokenizer) -> float:
     rng = random.Random(1)
     phrases = [" ".join(f"w{rng.randrange(WORDS)}" for _ in range(6)) for _ in range(20)]
     # ids[start + 6 ..] is the repeat; t + 2 runs over its words after the first
-    return head0_accuracy(adapter, base, tokenizer, [f"{p} {p}" for p in phrases], lambda start: range(start + 5, start + 10))
+    return head0_accuracy(adapter, base, tokenizer, [f"{p} {p}" for p in phrases],
+                          lambda start: range(start + 5, start + 10))
 
 
 def test_a_context_layer_reads_what_came_earlier_in_the_text(repeat_data, tmp_path):

@@ -32,9 +32,10 @@ def test_default_model_converts_once_and_generates_exactly(tmp_path, monkeypatch
     tokenizer = AutoTokenizer.from_pretrained(path)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert getattr(base.config, "quantization_config", None) is None
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     expected = base.generate(ids, max_new_tokens=16, do_sample=False)
-    out = MedusaModel.from_base(base, MedusaConfig(num_heads=2)).generate(ids, max_new_tokens=16, tree=[[0], [1], [0, 0]])
+    mm = MedusaModel.from_base(base, MedusaConfig(num_heads=2))
+    out = mm.generate(ids, max_new_tokens=16, tree=[[0], [1], [0, 0]])
     assert torch.equal(out.sequences, expected)
     assert tokenizer.decode(out.sequences[0, ids.shape[1]:]).strip()  # real text

@@ -65,8 +65,8 @@ def test_heads_for_another_model_are_refused(tmp_path):
 
 
 def test_unsupported_models_are_refused_up_front():
-    mamba = AutoModelForCausalLM.from_config(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                                                      state_size=4))
+    mamba = AutoModelForCausalLM.from_config(transformers.MambaConfig(vocab_size=64, hidden_size=32,
+                                                                      num_hidden_layers=2, state_size=4))
     with pytest.raises(UnsupportedModelError, match="recurrent or state-space"):
         MedusaModel.from_base(mamba)
     t5 = AutoModelForSeq2SeqLM.from_config(transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64,
