@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from .base import BaseSpec
 
+# One mask, or one per layer type ("full_attention" / "sliding_attention") for models that mix them.
+Mask = torch.Tensor | dict[str, torch.Tensor]
 
-def attention_masks(spec: BaseSpec, kv_valid, kv_pos, q_pos, block_mask, dtype: torch.dtype):
+
+def attention_masks(spec: BaseSpec, kv_valid: torch.Tensor, kv_pos: torch.Tensor, q_pos: torch.Tensor,
+                    block_mask: torch.Tensor, dtype: torch.dtype) -> Mask:
     """Masks for a block of N queries over L = S past + N new slots.
 
     kv_valid [B, L] bool, kv_pos [B, L] long, q_pos [B, N] long, block_mask [N, N] bool
@@ -31,7 +36,8 @@ def attention_masks(spec: BaseSpec, kv_valid, kv_pos, q_pos, block_mask, dtype: 
     return layer_masks(spec, allowed, q_pos, kv_pos, dtype)
 
 
-def layer_masks(spec: BaseSpec, allowed, q_pos, kv_pos, dtype: torch.dtype):
+def layer_masks(spec: BaseSpec, allowed: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                dtype: torch.dtype) -> Mask:
     """allowed [B, N, L] bool -> the model's mask: one [B, 1, N, L] mask, or a dict by layer type
     when the model mixes full and sliding-window layers (a window counted in positions)."""
     masks = {}
@@ -52,8 +58,9 @@ def model_mask(allowed: torch.Tensor, bool_mask: bool, dtype: torch.dtype) -> to
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids, q_pos, block_mask, cache, kv_valid, kv_pos,
-                  last_only: bool = False):
+def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, q_pos: torch.Tensor,
+                  block_mask: torch.Tensor, cache: DynamicCache, kv_valid: torch.Tensor, kv_pos: torch.Tensor,
+                  last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the base model on input_ids [B, N] at positions q_pos [B, N] after the cached slots.
 
     kv_valid / kv_pos [B, S + N] describe the cached slots followed by the new ones.
