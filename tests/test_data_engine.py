@@ -27,7 +27,8 @@ def reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    lengths = torch.randint(1, 14, (n,), generator=g).tolist()
+    return [torch.randint(3, 96, (length,), generator=g).tolist() for length in lengths]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -86,7 +87,8 @@ def test_sampling_rows_with_a_tiny_nucleus_are_greedy_and_greedy_rows_stay_greed
 
 
 def record(i: int) -> dict:
-    return {"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+    return {"id": f"p{i}",
+            "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
 
 
 def test_store_seals_chunks_and_resumes(tmp_path):

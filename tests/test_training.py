@@ -30,8 +30,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from medusa_spec import MedusaConfig, MedusaModel, grow_tree
 from medusa_spec.train import loop
 from medusa_spec.train.cli import add_train_commands
-from medusa_spec.train.data import (Example, Prompt, collate, make_rows, parse_prompt_spec, read_conversations,
-                                    read_prompts, require_chat_template, tokenize_conversation)
+from medusa_spec.train.data import (
+    Example,
+    Prompt,
+    collate,
+    make_rows,
+    parse_prompt_spec,
+    read_conversations,
+    read_prompts,
+    require_chat_template,
+    tokenize_conversation,
+)
 from medusa_spec.train.distill import DistillConfig, answer, distill
 from medusa_spec.train.evaluate import count_rank_hits
 from medusa_spec.train.load import load_model_and_tokenizer
@@ -61,8 +70,8 @@ def make_tokenizer(chat_template: str | None = TEMPLATE) -> PreTrainedTokenizerF
     vocab = {t: i for i, t in enumerate(SPECIAL + ["count", "from"] + [f"w{i}" for i in range(WORDS)])}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
-                                   additional_special_tokens=SPECIAL[2:5])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
+                                   eos_token="<|end|>", additional_special_tokens=SPECIAL[2:5])
     fast.chat_template = chat_template
     return fast
 
@@ -110,8 +119,8 @@ def conversations(base_dir, tmp_path_factory):
     base_model, tokenizer = load_model_and_tokenizer(base_dir)
     output = tmp_path_factory.mktemp("data") / "conversations.jsonl"
     prompts = [Prompt(f"p{i}", (f"count from w{i % WORDS}",)) for i in range(48)]
-    distill(base_model, tokenizer, prompts, distill_settings(base_dir, output, batch_size=16, max_new_tokens=ANSWER + 4),
-            progress=False)
+    settings = distill_settings(base_dir, output, batch_size=16, max_new_tokens=ANSWER + 4)
+    distill(base_model, tokenizer, prompts, settings, progress=False)
     return output
 
 
@@ -217,7 +226,10 @@ def test_chunked_linear_cross_entropy_matches_autograd_in_value_and_gradients(so
     states = torch.randn(10, 6, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(15, 6, generator=g, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(15, generator=g, dtype=torch.float64, requires_grad=True)
-    targets = torch.randn(10, 15, generator=g, dtype=torch.float64) if soft else torch.randint(0, 15, (10,), generator=g)
+    if soft:
+        targets = torch.randn(10, 15, generator=g, dtype=torch.float64)
+    else:
+        targets = torch.randint(0, 15, (10,), generator=g)
     # chunks of 4 rows: 3 chunks, the last one short
     total = linear_cross_entropy(states, weight, bias, targets, chunk_rows=4)
     (2.5 * total).backward()
@@ -328,7 +340,8 @@ def test_every_shared_prompt_pool_reads():
     assert counts["oasst1_val_prompts_qlora_oa_questions.jsonl"] == 953
     assert counts["arena_hard_v2.0_question.jsonl"] == 750 and counts["oasst_prompt_lottery_en_250.jsonl"] == 250
     assert counts["self_instruct_seed_tasks.jsonl"] >= 175  # one prompt per instance
-    multi_turn = [p for p in read_prompts(SHARED_TRAIN / "oasst1_val_prompts_qlora_oa_questions.jsonl") if len(p.turns) > 1]
+    oasst = read_prompts(SHARED_TRAIN / "oasst1_val_prompts_qlora_oa_questions.jsonl")
+    multi_turn = [p for p in oasst if len(p.turns) > 1]
     assert multi_turn and all("### " not in turn for p in multi_turn for turn in p.turns)
 
 
@@ -371,7 +384,8 @@ def test_a_tokenizer_without_chat_template_is_refused_unless_plain_text(tmp_path
 
 def test_distill_answers_turn_by_turn_and_resumes(base_dir, tmp_path):
     base_model, tokenizer = load_model_and_tokenizer(base_dir)
-    prompts = [Prompt("two", ("count from w2", "count from w20"))] + [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(5)]
+    prompts = [Prompt("two", ("count from w2", "count from w20"))]
+    prompts += [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(5)]
     output = tmp_path / "out.jsonl"
     cfg = distill_settings(base_dir, output, batch_size=3, max_new_tokens=6)
     first = distill(base_model, tokenizer, prompts[:4], cfg, progress=False)
@@ -475,7 +489,8 @@ def test_resume_after_a_kill_reaches_the_weights_of_an_uninterrupted_run(mode, b
     straight, killed = (load_file(tmp_path / d / "medusa_heads.safetensors") for d in ("straight", "killed"))
     assert straight.keys() == killed.keys() and all(torch.equal(straight[k], killed[k]) for k in straight)
     if mode == "medusa2":
-        straight, killed = (load_file(tmp_path / d / "lora" / "adapter_model.safetensors") for d in ("straight", "killed"))
+        straight, killed = (load_file(tmp_path / d / "lora" / "adapter_model.safetensors")
+                            for d in ("straight", "killed"))
         assert all(torch.equal(straight[k], killed[k]) for k in straight)
 
 
@@ -554,7 +569,8 @@ def test_heads_train_under_bf16_mixed_precision_with_shared_or_own_projections(b
 def test_medusa2_trains_lora_and_heads_saves_lora_beside_the_heads_and_loads_back(base_dir, conversations, tmp_path):
     warmup_only = train(small_run(base_dir, conversations, tmp_path / "warm", mode="medusa2", max_steps=2,
                                   heads_warmup_steps=2, lora_r=4))
-    lora_b = {k: v for k, v in load_file(tmp_path / "warm" / "lora" / "adapter_model.safetensors").items() if "lora_B" in k}
+    lora = load_file(tmp_path / "warm" / "lora" / "adapter_model.safetensors")
+    lora_b = {k: v for k, v in lora.items() if "lora_B" in k}
     assert lora_b and all(not v.any() for v in lora_b.values())  # heads-only warm-up: LoRA still at its zero init
     assert warmup_only["steps"] == 2
 
@@ -604,7 +620,8 @@ def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
                                             "num_heads": 2}}))
     parser = argparse.ArgumentParser()
     add_train_commands(parser.add_subparsers(dest="command"))
-    cfg = resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe), "--lr", "0.25", "--no-pack"]), "train")
+    args = parser.parse_args(["train", "--config", str(recipe), "--lr", "0.25", "--no-pack"])
+    cfg = resolve(TrainConfig, args, "train")
     assert (cfg.lr, cfg.num_heads, cfg.pack, cfg.batch_size) == (0.25, 2, False, TrainConfig.batch_size)
     recipe.write_text(json.dumps({"train": {"learning_rate": 1}}))
     with pytest.raises(ValueError, match="unknown 'train' settings \\['learning_rate'\\]"):
@@ -654,7 +671,8 @@ def served(base_dir):
 def test_distill_through_a_server_matches_local_distillation_and_resumes(base_dir, served, tmp_path):
     """The same conversations (turn by turn) as the local engine, greedy, through a real
     OpenAI-compatible server; a rerun skips what is stored."""
-    prompts = [Prompt("two", ("count from w2", "count from w20"))] + [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(4)]
+    prompts = [Prompt("two", ("count from w2", "count from w20"))]
+    prompts += [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(4)]
     local = tmp_path / "local.jsonl"
     base_model, tokenizer = load_model_and_tokenizer(base_dir)
     distill(base_model, tokenizer, prompts, distill_settings(base_dir, local, max_new_tokens=6), progress=False)

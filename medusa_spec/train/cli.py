@@ -64,7 +64,8 @@ def measure(adapter: str, model: str, data: list[str], max_length: int, batch_si
     examples = [tokenize_conversation(tokenizer, messages) for path in data for messages in read_conversations(path)]
     rows = make_rows(examples, max_length, pack=True)
     accelerator = Accelerator()
-    module = TrainModule(medusa.base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep).to(accelerator.device)
+    module = TrainModule(medusa.base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep)
+    module.to(accelerator.device)
     return evaluate(module, rows, batch_size, tokenizer.pad_token_id, top_k, accelerator)
 
 

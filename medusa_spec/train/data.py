@@ -132,7 +132,8 @@ def read_prompts(path: str | Path, prompt_field: str | None = None, limit: int |
                              f"record); fix the record, or name the prompt's field with --prompt-field NAME") from None
         for i, turns in enumerate(conversations):
             if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-                raise ValueError(f"{path}:{number}: empty or non-text prompt {turns!r}; every prompt must be non-empty text")
+                raise ValueError(f"{path}:{number}: empty or non-text prompt {turns!r}; "
+                                 f"every prompt must be non-empty text")
             prompts.append(Prompt(f"{path.name}:{number}" + (f":{i}" if len(conversations) > 1 else ""), tuple(turns)))
         if limit is not None and len(prompts) >= limit:
             return prompts[:limit]
@@ -153,7 +154,8 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
     for number, record in records:
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
             raise ValueError(f"{path}:{number}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} "
                              f"(the output of `medusa-spec distill`)")
         if not any(m["role"] == "assistant" for m in messages):
@@ -192,10 +194,12 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = render(tokenizer, messages[:i], add_generation_prompt=True), render(tokenizer, messages[: i + 1])
+        before = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1])
         if not (text.startswith(before) and text.startswith(through)):
             raise ValueError("the chat template renders an earlier turn differently once later turns follow, so "
-                             "assistant tokens cannot be located; train on single-turn conversations or use another template")
+                             "assistant tokens cannot be located; train on single-turn conversations or use another "
+                             "template")
         spans.append((len(before), len(through)))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [any(start <= begin < end for start, end in spans) for begin, _ in encoding["offset_mapping"]]

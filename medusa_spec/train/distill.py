@@ -20,7 +20,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from .data import Prompt, read_prompts, render

@@ -103,7 +103,8 @@ def _pick(logits: torch.Tensor, temperature: torch.Tensor, top_p: float, generat
 
 
 def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *, rows: int = 64,
-                  max_new_tokens: int = 512, capacity: int | None = None, top_p: float = 1.0, pad_token_id: int = 0, seed: int = 0) -> Iterator[tuple[object, list[int]]]:
+                  max_new_tokens: int = 512, capacity: int | None = None, top_p: float = 1.0,
+                  pad_token_id: int = 0, seed: int = 0) -> Iterator[tuple[object, list[int]]]:
     """Answer `requests` (a deque of Request, which the caller may extend while iterating, e.g. with
     a conversation's next turn) and yield (key, new tokens through the first eos) as each row ends.
 

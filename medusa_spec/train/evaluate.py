@@ -21,7 +21,8 @@ from .loss import target_mask
 
 
 def count_rank_hits(head_logits: torch.Tensor, base_logits: torch.Tensor, loss_mask: torch.Tensor,
-                    segment_ids: torch.Tensor, top_k: int, token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    segment_ids: torch.Tensor, top_k: int,
+                    token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """head_logits [B, T, K, V'], base_logits [B, T, V] -> (hits [K, top_k], positions [K]):
     hits[k, r] counts positions where head k's rank-r candidate is the base's greedy token.
     `token_map` [V']: the heads' draft vocabulary (index -> token id), if reduced."""
@@ -55,7 +56,8 @@ def evaluate(module, rows, batch_size: int, pad_token_id: int, top_k: int, accel
     positions = torch.zeros(module.heads.num_heads, dtype=torch.long, device=accelerator.device)
     with torch.no_grad():
         for start in range(accelerator.process_index * batch_size, len(rows), batch_size * accelerator.num_processes):
-            batch = {k: v.to(accelerator.device) for k, v in collate(rows[start: start + batch_size], pad_token_id).items()}
+            batch = collate(rows[start: start + batch_size], pad_token_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             # Dependent heads read the base's own greedy tokens as their path: accuracy given a right parent.
             out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True,
                          greedy_paths=True)
@@ -95,7 +97,8 @@ def calibrate_tree(adapter_dir: str | Path, num_nodes: int, eval_metrics: dict |
         raise ValueError(f"{path} holds no measured rank accuracies (metrics.eval.rank_accuracy); train with "
                          f"--eval-examples > 0, or pass --model and --data to `medusa-spec tree` to measure them")
     tree = grow_tree(rank_accuracy, num_nodes)
-    metrics["tree"] = {"nodes": num_nodes, "expected_tokens_per_step": round(expected_tokens_per_step(tree, rank_accuracy), 4)}
+    expected = round(expected_tokens_per_step(tree, rank_accuracy), 4)
+    metrics["tree"] = {"nodes": num_nodes, "expected_tokens_per_step": expected}
     config = dataclasses.replace(config, tree=tree, metrics=metrics)  # re-validates
     with staged_save(adapter_dir, (CONFIG_NAME,)) as staged:
         config.to_json_file(staged / CONFIG_NAME)

@@ -30,7 +30,8 @@ def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, loss_ma
         return logits.sum() * 0.0
     targets = input_ids if targets is None else targets
     mask = target_mask(loss_mask, segment_ids, shift) & (targets[:, shift:] >= 0)
-    ce = F.cross_entropy(logits[:, :-shift].flatten(0, 1).float(), targets[:, shift:].clamp(min=0).flatten(), reduction="none")
+    ce = F.cross_entropy(logits[:, :-shift].flatten(0, 1).float(), targets[:, shift:].clamp(min=0).flatten(),
+                         reduction="none")
     return _masked_mean(ce.view(input_ids.shape[0], -1), mask)
 
 
@@ -56,7 +57,8 @@ def heads_loss(head_states: torch.Tensor, projections: list[tuple[torch.Tensor, 
             mask = mask & (tokens[:, shift:] >= 0)
             wanted = tokens[:, shift:][mask]
         else:
-            wanted = teacher_logits[:, shift - 1: -1][mask]  # the teacher's logits at t + shift - 1 name token t + shift
+            # the teacher's logits at t + shift - 1 name token t + shift
+            wanted = teacher_logits[:, shift - 1: -1][mask]
         total = linear_cross_entropy(head_states[:, :-shift, k][mask], weight, bias, wanted)
         per_head.append(total / mask.sum().clamp(min=1))  # a batch with no target adds 0, not NaN
     loss = sum(decay ** k * ce for k, ce in enumerate(per_head))
@@ -91,7 +93,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if targets.dtype == torch.long:
                 picked = targets[rows, None]
                 total -= log_probs.gather(1, picked).sum()
-                grad = log_probs.exp_().scatter_add_(1, picked, torch.full(picked.shape, -1.0, dtype=exact, device=x.device))
+                minus_one = torch.full(picked.shape, -1.0, dtype=exact, device=x.device)
+                grad = log_probs.exp_().scatter_add_(1, picked, minus_one)
             else:
                 teacher = targets[rows].to(exact).softmax(-1)
                 total -= (teacher * log_probs).sum()
