@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .propose import Candidates
 from .tree import Tree
 
 
@@ -119,3 +120,14 @@ def accept_draft(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, l
     # A rejection means p < q at the draft, so p > q elsewhere; only float rounding can leave no mass.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
     return accept_length, torch.multinomial(residual, 1)[:, 0]
+
+
+def accept_candidates(candidates: Candidates, logits: torch.Tensor, sampling: Sampling):
+    """The rule the candidates call for: the classic min(1, p/q) rule where the proposer drew them from a
+    distribution it reports (draft_probs, a chain), else the tree rule. Both walk a chain alike when greedy.
+    logits [B, N, V] -> (last_node [B], accept_length [B], bonus [B]) as in accept."""
+    if candidates.draft_probs is not None:
+        accept_length, bonus = accept_draft(candidates.node_tokens[:, 1:], candidates.draft_probs, logits, sampling)
+        return accept_length, accept_length, bonus  # on a chain, node i is at depth i
+    tokens = candidates.node_tokens if candidates.accept_tokens is None else candidates.accept_tokens
+    return accept(tokens, logits, candidates.tree, sampling)

@@ -10,8 +10,9 @@ from functools import partial
 import torch
 
 from .columnwise import columnwise_linears
-from .kv_cache import keep_accepted, new_cache
-from .propose import propose
+from .kv_cache import new_cache
+from .propose import draft_tree
+from .slots import prefill
 from .tree import build_tree, grow_tree
 from .verify import forward_block
 
@@ -51,11 +52,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         base, spec = mm.base_model, mm.spec
         device = base.get_output_embeddings().weight.device
         ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
-        pos = torch.arange(context, device=device)[None]
         valid = torch.ones_like(ids, dtype=torch.bool)
-        cache = new_cache()
-        _, hidden = forward_block(base, spec, ids, pos, torch.ones(context, context, dtype=torch.bool, device=device).tril(),
-                                  cache, valid, pos, last_only=True)
+        _, hidden, slots = prefill(base, spec, ids, valid, new_cache())
         root = ids[:, -1]
         context_layer = getattr(mm.heads, "context", None)
         if context_layer is not None:
@@ -69,15 +67,16 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
                 kept = slice(context - tree.max_depth - 1, context)
                 _, state = context_layer.extend(context_cache, hidden[:, kept], embed(ids[:, kept]), embed(ids[:, kept]),
                                                 valid[:, kept], torch.full_like(root, tree.max_depth))
-            propose(mm.heads, base, root, state, tree)
+            draft_tree(mm.heads, base, root, state, tree)
 
-        def verify(tree):
+        def verify(tree):  # as the decoding loop verifies, then commits nothing: the cache stays at `context`
             tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
-            q_pos = context + tree.depth[None]
-            kv_valid = torch.ones(1, context + tree.num_nodes, dtype=torch.bool, device=device)
-            forward_block(base, spec, tokens, q_pos, tree.tree_mask, cache, kv_valid, torch.cat([pos, q_pos], dim=1))
-            keep_accepted(cache, context, torch.zeros(1, 0, dtype=torch.long, device=device))
+            q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
+            forward_block(base, spec, tokens, q_pos, tree.tree_mask, slots.cache, kv_valid, kv_pos)
+            slots.commit(keep_nothing, no_rows, no_rows)
 
+        keep_nothing = torch.zeros(1, 0, dtype=torch.long, device=device)
+        no_rows = torch.zeros(1, dtype=torch.long, device=device)
         accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
         trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
         for tree in trees.values():

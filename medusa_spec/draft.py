@@ -17,13 +17,15 @@ import time
 import torch
 from torch import nn
 
-from .accept import accept_draft, draw_targets, processed_probs
+from .accept import Sampling, processed_probs
 from .base import inspect_base_model, model_device_dtype
-from .columnwise import columnwise_linears
-from .generate import (GenerateOutput, GenerationStats, SequenceWriter, last_position, node_positions, prefill,
-                       prepare_inputs, resolve_sampling, special_tokens, stream)
-from .kv_cache import keep_accepted, new_cache
-from .tree import build_tree
+from .inputs import resolve_sampling, special_tokens
+from .kv_cache import new_cache
+from .loop import decode
+from .output import GenerateOutput
+from .propose import Candidates, Prompt, Proposer, StepResult
+from .slots import prefill
+from .tree import Tree, chain_tree
 from .verify import forward_block
 
 # Families whose decoder is `model.layers` (a ModuleList) between embeddings and a final norm, checked by tests.
@@ -119,6 +121,99 @@ def _check_draft_lengths(num_draft_tokens, max_draft_tokens) -> None:
         raise ValueError(f"max_draft_tokens must be an integer >= 1 (the most draft tokens per step), got {max_draft_tokens!r}")
 
 
+class DraftModel(Proposer):
+    """A draft model drafting a chain of K tokens one forward at a time, K fixed or adaptive.
+
+    It keeps its own cache (Slots, the same positions as the base's). The token before the root that it
+    has not seen is the last draft of a step that kept all K (it never ran on it); the next step feeds it
+    first, and a row without one carries an invalid slot in its place.
+    """
+
+    def __init__(self, draft_model: nn.Module, draft_spec, sampling: Sampling, num_draft_tokens: int | None,
+                 max_draft_tokens: int):
+        self.draft_model, self.draft_spec, self.sampling = draft_model, draft_spec, sampling
+        self.modules = (draft_model,)
+        self.num_draft_tokens, self.max_draft_tokens = num_draft_tokens, max_draft_tokens
+        self.max_depth = num_draft_tokens or max_draft_tokens
+        self.draft_length = num_draft_tokens or min(FIRST_DRAFT_LENGTH, max_draft_tokens)
+        self.chains: dict[int, Tree] = {}  # K -> the chain tree root -> x_1 -> ... -> x_K, built on first use
+        self.accepted = self.rejected = 0  # draft tokens kept / rejected in the steps so far (rows still generating)
+        self.draft_time = self.verify_time = 0.0
+        self.draft_forwards = 0
+        self.draft_lengths: list[int] = []
+
+    def start(self, prompt: Prompt) -> None:
+        device = prompt.root.device
+        self.clock = StageClock(device)
+        _, _, self.slots = prefill(self.draft_model, self.draft_spec, prompt.input_ids, prompt.attention_mask,
+                                   new_cache(), prompt.max_position)
+        self.unseen, self.unseen_valid = prompt.root, torch.zeros_like(prompt.root, dtype=torch.bool)
+        self.first_offsets = torch.tensor([-1, 0], device=device)  # the unseen token and the root
+        self.two_causal = torch.ones(2, 2, dtype=torch.bool, device=device).tril()
+        self.one = torch.ones(1, 1, dtype=torch.bool, device=device)
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        """K forwards of the draft model, each drawing x_i from q_i; the first one also feeds the unseen token,
+        so the block's slots are [unseen, root, x_1, ..., x_{K-1}]."""
+        k = self.draft_length
+        if k not in self.chains:
+            self.chains[k] = chain_tree(k).to(root.device)
+        chain = self.chains[k]
+        self.step_start = self.clock.mark()
+        model, spec, slots = self.draft_model, self.draft_spec, self.slots
+        q_pos, kv_valid, kv_pos = slots.verify_inputs(
+            self.first_offsets, torch.stack([self.unseen_valid, torch.ones_like(self.unseen_valid)], dim=1))
+        logits, _ = forward_block(model, spec, torch.stack([self.unseen, root], dim=1), q_pos, self.two_causal,
+                                  slots.cache, kv_valid, kv_pos, last_only=True)
+        draft_tokens, draft_probs = [], []
+        for i in range(k):
+            if i > 0:  # x_i: feed x_{i-1} at position next_pos + i (a chain's depth i is i)
+                q_pos, kv_valid, kv_pos = slots.verify_inputs(chain.depth[i: i + 1])
+                logits, _ = forward_block(model, spec, draft_tokens[-1][:, None], q_pos, self.one, slots.cache,
+                                          kv_valid, kv_pos)
+            if self.sampling.do_sample:
+                q = processed_probs(logits[:, -1], self.sampling)
+                draft_probs.append(q)
+                draft_tokens.append(torch.multinomial(q, 1)[:, 0])
+            else:
+                draft_tokens.append(logits[:, -1].argmax(dim=-1))
+        self.draft_tokens = torch.stack(draft_tokens, dim=1)  # [B, K]
+        self.drafted = self.clock.mark()
+        return Candidates(torch.cat([root[:, None], self.draft_tokens], dim=1), chain,
+                          draft_probs=torch.stack(draft_probs, dim=1) if draft_probs else None)
+
+    def update(self, step: StepResult) -> None:
+        # The verify pass's time runs to here: it includes acceptance and the step's host sync.
+        verified = self.clock.mark()
+        k = self.draft_length
+        host = step.host
+        self.accepted += sum(a for a, active in zip(host.accept_length, host.active) if active)
+        self.rejected += sum(a < k for a, active in zip(host.accept_length, host.active) if active)
+        self.draft_time += self.clock.seconds(self.step_start, self.drafted)
+        self.draft_forwards += k
+        self.verify_time += self.clock.seconds(self.drafted, verified)
+        self.draft_lengths.append(k)
+        # Keep [unseen, root, x_1 .. x_min(a, K-1)]; x_K, never fed, becomes next step's unseen token.
+        accept_length, going = step.accept_length, step.going
+        draft_kept = (torch.clamp(accept_length, max=k - 1) + 2) * going  # slots to keep, the unseen one included
+        keep = torch.arange(min(step.kept.shape[1], k) + 1, device=going.device).expand(going.shape[0], -1)
+        self.slots.commit(keep, draft_kept, (accept_length + 1) * going)
+        self.unseen, self.unseen_valid = self.draft_tokens[:, -1], (accept_length == k) & going
+        if self.num_draft_tokens is None:
+            # One pseudo-token each way (Laplace) keeps alpha inside (0, 1): one unlucky first step
+            # does not read as "never accepted", nor a lucky one as "always".
+            alpha = (self.accepted + 1) / (self.accepted + self.rejected + 2)
+            self.draft_length = choose_draft_length(alpha, self.draft_time / self.draft_forwards,
+                                                    self.verify_time / len(self.draft_lengths), self.max_draft_tokens)
+
+    def finish(self, stats) -> None:
+        stats.draft_lengths = self.draft_lengths
+        if self.draft_lengths:
+            stats.acceptance_rate = self.accepted / max(self.accepted + self.rejected, 1)
+            stats.draft_seconds = self.draft_time / self.draft_forwards
+            stats.verify_seconds = self.verify_time / len(self.draft_lengths)
+
+
 def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids: torch.Tensor,
                         attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, do_sample: bool | None = None,
                         temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
@@ -136,137 +231,5 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
     spec, draft_spec = check_draft_model(base_model, draft_model)
     sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p)
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
-    start = time.perf_counter()
-    input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
-    # Both models see the same positions: the lower limit caps them.
-    limits = [last_position(m, attention_mask, max_new_tokens) for m in (base_model, draft_model)]
-    max_position = min((limit for limit in limits if limit is not None), default=None)
-    device = input_ids.device
-    batch = input_ids.shape[0]
-    max_k = num_draft_tokens or max_draft_tokens
-    chains = {}  # K -> the chain tree root -> x_1 -> ... -> x_K, built on first use
-    writer = SequenceWriter(input_ids, max_new_tokens, eos, pad)
-    stats = GenerationStats(draft_lengths=[])
-    accepted_at_depth = torch.zeros(max_k, dtype=torch.long, device=device)
-    clock = StageClock(device)
-    accepted = rejected = 0  # draft tokens kept / rejected in the steps so far (rows still generating)
-    draft_time = draft_forwards = verify_time = 0.0
-    draft_length = num_draft_tokens or min(FIRST_DRAFT_LENGTH, max_draft_tokens)
-
-    with torch.inference_mode(), columnwise_linears(base_model, draft_model):  # a chain's few rows (see columnwise)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        # 1. Prefill both models; the base model's last logits give the first token (the first root).
-        cache, draft_cache = new_cache(), new_cache()
-        logits, _, slot_valid, slot_pos = prefill(base_model, spec, input_ids, attention_mask, cache)
-        _, _, draft_valid, draft_pos = prefill(draft_model, draft_spec, input_ids, attention_mask, draft_cache)
-        root = draw_targets(logits, sampling)[:, -1]
-        next_pos = slot_pos[:, -1] + 1
-        count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
-        stats.steps = 1
-        synced = torch.cat([writer.finished.all()[None].long(), count[:1]]).tolist()
-        done = bool(synced[0])
-        stream(streamer, root[:, None], synced[1])
-        # The token before the root that the draft model has not seen: the last draft of a step that kept all
-        # K (the draft model never ran on it). A row without one carries an invalid slot in its place.
-        unseen, unseen_valid = root, torch.zeros(batch, dtype=torch.bool, device=device)
-        two_causal = torch.ones(2, 2, dtype=torch.bool, device=device).tril()
-        one = torch.ones(1, 1, dtype=torch.bool, device=device)
-
-        while not done:
-            k = draft_length
-            if k not in chains:
-                chains[k] = build_tree([[0] * depth for depth in range(1, k + 1)]).to(device)
-            chain = chains[k]
-            step_start = clock.mark()
-            # 2. Draft: K forwards of the draft model, each drawing x_i from q_i. The first one also
-            # feeds the unseen token; the draft block's slots are [unseen, root, x_1, ..., x_{K-1}].
-            draft_past = draft_valid.shape[1]
-            block_tokens = torch.stack([unseen, root], dim=1)
-            block_pos = torch.stack([next_pos - 1, next_pos], dim=1)
-            block_valid = torch.stack([unseen_valid, torch.ones_like(unseen_valid)], dim=1)
-            draft_valid = torch.cat([draft_valid, block_valid], dim=1)
-            draft_pos = torch.cat([draft_pos, block_pos], dim=1)
-            draft_logits, _ = forward_block(draft_model, draft_spec, block_tokens, block_pos, two_causal, draft_cache,
-                                            draft_valid, draft_pos, last_only=True)
-            draft_tokens, draft_probs = [], []
-            for i in range(k):
-                if i > 0:  # x_i: feed x_{i-1} at position next_pos + i
-                    position = node_positions(next_pos, chain.depth[i: i + 1], max_position)  # a chain's depth i is i
-                    draft_valid = torch.cat([draft_valid, torch.ones_like(position, dtype=torch.bool)], dim=1)
-                    draft_pos = torch.cat([draft_pos, position], dim=1)
-                    draft_logits, _ = forward_block(draft_model, draft_spec, draft_tokens[-1][:, None], position, one,
-                                                    draft_cache, draft_valid, draft_pos)
-                if sampling.do_sample:
-                    q = processed_probs(draft_logits[:, -1], sampling)
-                    draft_probs.append(q)
-                    draft_tokens.append(torch.multinomial(q, 1)[:, 0])
-                else:
-                    draft_tokens.append(draft_logits[:, -1].argmax(dim=-1))
-            draft_tokens = torch.stack(draft_tokens, dim=1)  # [B, K]
-            drafted = clock.mark()
-            # 3. Verify: one base-model pass over the chain [root, x_1 .. x_K] at positions next_pos + 0..K.
-            node_tokens = torch.cat([root[:, None], draft_tokens], dim=1)
-            q_pos = node_positions(next_pos, chain.depth, max_position)
-            past_length = slot_valid.shape[1]
-            kv_valid = torch.cat([slot_valid, torch.ones_like(node_tokens, dtype=torch.bool)], dim=1)
-            logits, _ = forward_block(base_model, spec, node_tokens, q_pos, chain.tree_mask, cache, kv_valid,
-                                      torch.cat([slot_pos, q_pos], dim=1))
-            # 4. Accept: keep x_i with probability min(1, p_i/q_i); the bonus comes from the residual or p_K.
-            accept_length, bonus = accept_draft(draft_tokens, torch.stack(draft_probs, dim=1) if draft_probs else None,
-                                                logits, sampling)
-            new_tokens = torch.cat([draft_tokens, bonus[:, None]], dim=1)
-            new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
-            active = ~writer.finished
-            accepted_at_depth[:k] += (accept_length[:, None] > torch.arange(k, device=device)).masked_fill(
-                ~active[:, None], False).sum(0)
-            kept_total = (accept_length * active).sum()
-            rejected_total = ((accept_length < k) & active).sum()
-            count = writer.append(new_tokens, accept_length + 1)
-            verified = clock.mark()
-            # The one host sync of the step.
-            synced = torch.cat([accept_length.max()[None], writer.finished.all()[None].long(), count[:1],
-                                kept_total[None], rejected_total[None]]).tolist()
-            longest, done, first_count = synced[0] + 1, bool(synced[1]), synced[2]
-            stream(streamer, new_tokens, first_count)
-            stats.steps += 1
-            stats.draft_lengths.append(k)
-            accepted, rejected = accepted + synced[3], rejected + synced[4]
-            draft_time += clock.seconds(step_start, drafted)
-            draft_forwards += k
-            verify_time += clock.seconds(drafted, verified)
-            # 5. Commit. Base cache: the accepted chain [root, x_1 .. x_a] (a contiguous prefix of the block).
-            keep_accepted(cache, past_length, torch.arange(longest, device=device).expand(batch, -1))
-            # A finished row stays in the batch but stands still: no valid slots, no new positions.
-            going = ~writer.finished
-            slot_offsets = torch.arange(longest, device=device)
-            slot_valid = torch.cat([slot_valid, (slot_offsets < (accept_length + 1)[:, None]) & going[:, None]], dim=1)
-            slot_pos = torch.cat([slot_pos, node_positions(next_pos, slot_offsets, max_position)], dim=1)
-            # Draft cache: [unseen, root, x_1 .. x_min(a, K-1)]; x_K, never fed, becomes next step's unseen token.
-            draft_kept = torch.clamp(accept_length, max=k - 1) + 2  # slots of the block to keep, the unseen one included
-            draft_longest = min(longest, k) + 1
-            keep_accepted(draft_cache, draft_past, torch.arange(draft_longest, device=device).expand(batch, -1))
-            draft_offsets = torch.arange(draft_longest, device=device)
-            kept_valid = (draft_valid[:, draft_past: draft_past + draft_longest] & (draft_offsets < draft_kept[:, None])
-                          & going[:, None])
-            draft_valid = torch.cat([draft_valid[:, :draft_past], kept_valid], dim=1)
-            draft_pos = draft_pos[:, : draft_past + draft_longest]
-            unseen, unseen_valid = draft_tokens[:, -1], (accept_length == k) & going
-            next_pos = next_pos + (accept_length + 1) * going
-            root = bonus
-            if num_draft_tokens is None:
-                # One pseudo-token each way (Laplace) keeps alpha inside (0, 1): one unlucky first step
-                # does not read as "never accepted", nor a lucky one as "always".
-                alpha = (accepted + 1) / (accepted + rejected + 2)
-                draft_length = choose_draft_length(alpha, draft_time / draft_forwards,
-                                                   verify_time / len(stats.draft_lengths), max_draft_tokens)
-
-    if streamer is not None:
-        streamer.end()
-    stats.accepted_at_depth = accepted_at_depth.tolist()
-    if stats.draft_lengths:
-        stats.acceptance_rate = accepted / max(accepted + rejected, 1)
-        stats.draft_seconds = draft_time / draft_forwards
-        stats.verify_seconds = verify_time / len(stats.draft_lengths)
-    stats.wall_time = time.perf_counter() - start
-    return writer.output(stats)
+    proposer = DraftModel(draft_model, draft_spec, sampling, num_draft_tokens, max_draft_tokens)
+    return decode(base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad, streamer)

@@ -1,5 +1,8 @@
 """Prompt lookup: a chain of candidates copied from where the text's last n-gram occurred before.
 
+`WithLookup` is the proposer: the chain merged into another proposer's tree (the heads', or the root
+alone for lookup without heads).
+
 The sources are each row's prompt and generated tokens and any `documents` (token id lists).
 The chain hangs off the root of the Medusa tree (or of a root-only tree: lookup with no heads),
 so one verify pass checks both; it is as long as the step's longest match, and absent when no
@@ -10,10 +13,9 @@ step's new tokens, makes a search a few dict lookups per row.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from .propose import Candidates, Prompt, Proposer, StepResult
 from .tree import Tree
 
 DEFAULT_MAX_NGRAM = 3
@@ -52,6 +54,16 @@ def check_lookup_tokens(lookup_tokens) -> None:
     if not isinstance(lookup_tokens, int) or isinstance(lookup_tokens, bool) or lookup_tokens < 0:
         raise ValueError(f"lookup_tokens must be an integer >= 1 (the lookup chain's length; 0 turns lookup off), "
                          f"got {lookup_tokens!r}")
+
+
+def with_lookup(proposer: Proposer, lookup_tokens: int, documents, vocab_size: int) -> Proposer:
+    """`proposer` with a lookup chain of `lookup_tokens` merged in (over the prompt, the output and `documents`),
+    or `proposer` itself for lookup_tokens=0; the arguments are checked."""
+    check_lookup_tokens(lookup_tokens)
+    documents = check_documents(documents, vocab_size)
+    if documents and not lookup_tokens:
+        raise ValueError("documents are only searched by prompt lookup: pass lookup_tokens >= 1 (e.g. 10) with them")
+    return WithLookup(proposer, documents, lookup_tokens) if lookup_tokens else proposer
 
 
 class NgramIndex:
@@ -112,7 +124,7 @@ class PromptLookup:
         for index, tokens in zip(self.rows, new_tokens):
             index.extend(tokens)
 
-    def propose(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def chains(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(chain_tokens [B, L], has_match [B]), L the longest chain any row found this step (0 when no row
         has a match: the step then verifies the heads' tree alone, as a chain that no row can use costs a
         longer verify pass for nothing). A shorter chain repeats its last token and a row with no match
@@ -128,8 +140,7 @@ class PromptLookup:
 def tree_with_chain(tree: Tree, length: int) -> Tree:
     """`tree` (N nodes) plus a chain of `length` nodes hanging off its root, appended as nodes N .. N+length-1.
 
-    For verify and accept, which read depth, parent, tree_mask and node_paths; `choices`, `head` and `rank`
-    still describe the first N nodes only, so propose with the original tree.
+    The merged tree is what verify and accept read; the heads draft their N nodes on their own tree.
     """
     tree = tree.to("cpu")
     n, total = tree.num_nodes, tree.num_nodes + length
@@ -148,7 +159,7 @@ def tree_with_chain(tree: Tree, length: int) -> Tree:
     node_paths[n:, 0] = 0
     node_paths[n:, 1:] = torch.where(torch.arange(max_depth)[None, :] <= torch.arange(length)[:, None],
                                      n + torch.arange(max_depth)[None, :], chain[:, None])
-    return dataclasses.replace(tree, depth=depth, parent=parent, tree_mask=tree_mask, node_paths=node_paths)
+    return Tree(depth, parent, tree_mask, node_paths)
 
 
 def add_chain(node_tokens: torch.Tensor, chain_tokens: torch.Tensor, has_match: torch.Tensor, num_tree_nodes: int,
@@ -167,3 +178,47 @@ def add_chain(node_tokens: torch.Tensor, chain_tokens: torch.Tensor, has_match: 
     unreachable = torch.cat([duplicate & has_match[:, None],
                              (~has_match)[:, None].expand(-1, chain_tokens.shape[1])], dim=1)
     return node_tokens, node_tokens.masked_fill(unreachable, UNREACHABLE)
+
+
+class WithLookup(Proposer):
+    """`proposer`'s candidates plus a lookup chain of up to `chain_length` tokens off their root, verified in
+    the same pass (see add_chain for which of two equal first tokens stays reachable). The proposer must
+    propose one tree (the heads' or the root alone): merged trees are built once per chain length."""
+
+    def __init__(self, proposer: Proposer, documents: list[list[int]], chain_length: int):
+        self.proposer, self.documents, self.chain_length = proposer, documents, chain_length
+        self.modules = proposer.modules
+        self.max_depth = max(proposer.max_depth, chain_length)
+        self.merged_trees: dict[int, Tree] = {}  # chain length -> the proposer's tree with that chain
+
+    def start(self, prompt: Prompt) -> None:
+        self.proposer.start(prompt)
+        prompts = [row[mask].tolist() for row, mask in zip(prompt.input_ids, prompt.attention_mask)]  # no padding
+        self.lookup = PromptLookup(prompts, self.documents, self.chain_length)
+        self.lookup.extend([[token] for token in prompt.root.tolist()])
+        self.accepted = torch.zeros((), dtype=torch.long, device=prompt.root.device)
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        candidates = self.proposer.propose(root)
+        num_tree_nodes = candidates.tree.num_nodes
+        self.chain_start = num_tree_nodes
+        chain_tokens, has_match = self.lookup.chains(root.device)
+        length = chain_tokens.shape[1]
+        if not length:
+            return candidates
+        if length not in self.merged_trees:
+            self.merged_trees[length] = tree_with_chain(candidates.tree, length).to(root.device)
+        tree = self.merged_trees[length]
+        node_tokens, accept_tokens = add_chain(candidates.node_tokens, chain_tokens, has_match, num_tree_nodes,
+                                               tree.depth)
+        return Candidates(node_tokens, tree, accept_tokens=accept_tokens)
+
+    def update(self, step: StepResult) -> None:
+        self.proposer.update(step)
+        chain_won = (step.last_node >= self.chain_start) & step.active
+        self.accepted += (step.accept_length * chain_won).sum()
+        self.lookup.extend(step.host.emitted)
+
+    def finish(self, stats) -> None:
+        self.proposer.finish(stats)
+        stats.lookup_accepted = int(self.accepted)

@@ -12,8 +12,12 @@ from torch import nn
 from . import autotree, formats, io
 from .base import BaseSpec, inspect_base_model, model_device_dtype
 from .config import MedusaConfig
-from .generate import GenerateOutput, generate, resolve_sampling, special_tokens
 from .heads import MedusaHeads
+from .inputs import resolve_sampling, special_tokens
+from .lookup import with_lookup
+from .loop import decode
+from .output import GenerateOutput
+from .propose import heads_proposer
 from .tree import build_tree, default_tree
 
 
@@ -122,8 +126,11 @@ class MedusaModel(nn.Module):
         """
         sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p)
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
-        return generate(self.base_model, self.spec, self.heads, self.tree(tree), input_ids, attention_mask,
-                        max_new_tokens, sampling, eos, pad, streamer, lookup_tokens, documents)
+        spec = self.spec
+        proposer = with_lookup(heads_proposer(self.base_model, self.heads, self.tree(tree)), lookup_tokens, documents,
+                               spec.vocab_size)
+        return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
+                      streamer)
 
 
 def _check_sizes(config: MedusaConfig, spec, source: str) -> None:

@@ -1,4 +1,10 @@
-"""Heads + a tree -> the candidate token at every tree node.
+"""Proposers: what drafts the candidates one verify pass checks, behind one contract.
+
+A proposer is told the prompt once (`start`), then each step gives the candidates after the root
+(`propose`) and learns what the base model accepted (`update`), as transformers' assisted decoding
+has `get_candidates` / `update_candidate_strategy`. Medusa heads (plain or dependent, with their
+context layer's cache) are here; the lookup chain and the heads + chain merge are in lookup.py, the
+draft model in draft.py.
 
 Plain Medusa heads do not see their parent, so one call gives every head's top-k list and
 siblings at one depth share it. Dependent heads read the tokens on the path to their parent,
@@ -8,15 +14,156 @@ gives the candidates of depth d.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .tree import Tree
+from .tree import MedusaTree, Tree, chain_tree
 
 
-def propose(heads: nn.Module, base_model: nn.Module, root: torch.Tensor, last_hidden: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """root [B] (the token the base model just chose), last_hidden [B, H] (the base's final hidden
-    state before root) -> node_tokens [B, N]; node 0 is the root."""
+@dataclass(frozen=True)
+class Candidates:
+    """One step's candidates: node_tokens [B, N] (node 0 = the root, already emitted) on `tree`.
+
+    draft_probs [B, N - 1, V]: on a chain, the distribution each token was drawn from (a draft model
+    sampling); acceptance then applies the classic min(1, p/q) rule, else the tree rule (every node is
+    a guess, checked against the base model's own draw). accept_tokens [B, N]: the tokens acceptance
+    compares where they differ from node_tokens (a negative id keeps a node out of reach).
+    """
+
+    node_tokens: torch.Tensor
+    tree: Tree
+    draft_probs: torch.Tensor | None = None
+    accept_tokens: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What prefill leaves for a proposer's start: input_ids / attention_mask [B, S] (left-padded, bool),
+    the base model's final hidden states [B, S, H], the first root [B], the highest position to use."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    hidden: torch.Tensor
+    root: torch.Tensor
+    max_position: int | None
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """A step's per-row figures on the host, from its one sync: accept_length, active (the row was generating
+    in the step) and emitted (the tokens the row took: accepted ones and the bonus, cut at eos or the budget)."""
+
+    accept_length: list[int]
+    active: list[bool]
+    emitted: list[list[int]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one verify pass decided, for a proposer's update.
+
+    hidden [B, N, H]: the base model's final hidden states at every node; last_node, accept_length [B]
+    (bonus not counted); kept [B, m]: each row's root and accepted nodes (then repeats), m = the longest
+    row's accept_length + 1; new_tokens [B, m]: the accepted tokens then the bonus; active [B]: rows that
+    were generating in the step; going [B]: rows still generating after it.
+    """
+
+    candidates: Candidates
+    hidden: torch.Tensor
+    last_node: torch.Tensor
+    accept_length: torch.Tensor
+    kept: torch.Tensor
+    new_tokens: torch.Tensor
+    active: torch.Tensor
+    going: torch.Tensor
+    host: HostStep
+
+
+class Proposer:
+    """The contract (a base class with the trivial parts): `modules` the proposer runs (the loop computes
+    their few rows column-wise and holds them in eval mode; a model's position limit also caps the
+    positions), `max_depth` the deepest candidate it may propose."""
+
+    modules: tuple[nn.Module, ...] = ()
+    max_depth: int = 0
+
+    def start(self, prompt: Prompt) -> None:
+        """Once, after prefill."""
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        """root [B]: the token the base model just chose -> the candidates hanging off it."""
+        raise NotImplementedError
+
+    def update(self, step: StepResult) -> None:
+        """After each verify pass."""
+
+    def finish(self, stats) -> None:
+        """Add the proposer's own figures to the GenerationStats."""
+
+
+class RootOnly(Proposer):
+    """No speculation (`tree=[]`): the root alone, one token per step through the same loop."""
+
+    def start(self, prompt: Prompt) -> None:
+        self.tree = chain_tree(0).to(prompt.root.device)
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        return Candidates(root[:, None], self.tree)
+
+
+class HeadsProposer(Proposer):
+    """Medusa heads (plain or dependent) on a MedusaTree. They read only the last accepted node's state:
+    the base model's final hidden state there, or the context layer's output (its keys and values kept
+    across steps, growing by each step's accepted slots)."""
+
+    def __init__(self, base_model: nn.Module, heads: nn.Module, tree: MedusaTree):
+        self.base_model, self.heads, self.layout = base_model, heads, tree
+        self.modules = (heads,)
+        self.max_depth = tree.max_depth
+        self.context = getattr(heads, "context", None)  # heads may be any module with the MedusaHeads interface
+
+    def start(self, prompt: Prompt) -> None:
+        self.layout = self.layout.to(prompt.root.device)
+        if self.context is None:
+            self.state = prompt.hidden[:, -1]
+            return
+        # The context layer takes every prompt position with its token and the token after it, the last one
+        # with the root.
+        embed = self.base_model.get_input_embeddings()
+        input_ids = prompt.input_ids
+        self.context_cache, self.state = self.context.extend(
+            None, prompt.hidden, embed(input_ids), embed(torch.cat([input_ids[:, 1:], prompt.root[:, None]], dim=1)),
+            prompt.attention_mask, torch.full_like(prompt.root, input_ids.shape[1] - 1))
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        return Candidates(draft_tree(self.heads, self.base_model, root, self.state, self.layout), self.layout)
+
+    def update(self, step: StepResult) -> None:
+        hidden = step.hidden
+        if self.context is None:
+            self.state = hidden.gather(1, step.last_node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+            return
+        # The kept slots: root and accepted nodes, each with the token after it (the last: the bonus).
+        embed = self.base_model.get_input_embeddings()
+        kept = step.kept
+        offsets = torch.arange(kept.shape[1], device=kept.device)
+        self.context_cache, self.state = self.context.extend(
+            self.context_cache, hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1])),
+            embed(step.candidates.node_tokens.gather(1, kept)), embed(step.new_tokens),
+            offsets < (step.accept_length + 1)[:, None], step.accept_length)
+
+
+def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree) -> Proposer:
+    """The heads on `tree`, or RootOnly for a root-only tree (no heads needed)."""
+    return HeadsProposer(base_model, heads, tree) if tree.num_nodes > 1 else RootOnly()
+
+
+def draft_tree(heads: nn.Module, base_model: nn.Module, root: torch.Tensor, last_hidden: torch.Tensor,
+               tree: MedusaTree) -> torch.Tensor:
+    """root [B] (the token the base model just chose), last_hidden [B, H] (the heads' input state before
+    root) -> node_tokens [B, N]; node 0 is the root."""
     lm_head = base_model.get_output_embeddings()
     if not heads.dependent:
         top = heads.token_ids(heads(last_hidden, lm_head).topk(tree.top_k, dim=-1).indices)  # [B, K, top_k]

@@ -1,12 +1,14 @@
-"""Candidate trees: Medusa "choices" -> the tensors the verifier and acceptance read. Pure.
+"""Candidate trees as tensors. Pure.
 
-A tree is a list of rank paths: `[1, 0]` is the node reached by taking the first head's
+`Tree` is what the verifier and acceptance read, from any proposer; `MedusaTree` adds the layout Medusa
+heads draft it from, given as a list of rank paths ("choices"): `[1, 0]` is the node reached by taking the first head's
 second-best token, then the second head's best. Node 0 is the root (the token the base
 model already chose); nodes are ordered by depth, so every parent precedes its children.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -16,21 +18,18 @@ import torch
 
 @dataclass(frozen=True)
 class Tree:
-    """A candidate tree as tensors, N nodes including the root.
+    """A candidate tree as the verifier and acceptance read it, N nodes including the root; nodes are ordered
+    by depth, so every parent precedes its children. Any proposer (heads, a lookup chain, a draft model)
+    hands one over with its node tokens.
 
     depth       [N]     0 for the root
     parent      [N]     parent's node index (the root points at itself)
-    head        [N]     head whose top-k list gives the node's token (depth - 1; 0 for the root)
-    rank        [N]     rank of the node's token in that head's top-k list
     tree_mask   [N, N]  tree_mask[i, j]: node j is node i or one of its ancestors
     node_paths  [N, D+1] node_paths[i, d]: node i's ancestor at depth d; past depth[i] it repeats i
     """
 
-    choices: tuple[tuple[int, ...], ...]
     depth: torch.Tensor
     parent: torch.Tensor
-    head: torch.Tensor
-    rank: torch.Tensor
     tree_mask: torch.Tensor
     node_paths: torch.Tensor
 
@@ -41,6 +40,24 @@ class Tree:
     @property
     def max_depth(self) -> int:
         return len(self.node_paths[0]) - 1
+
+    def to(self, device: torch.device | str):
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                            if torch.is_tensor(getattr(self, f.name))})
+
+
+@dataclass(frozen=True)
+class MedusaTree(Tree):
+    """A Tree laid out for Medusa heads: node i takes rank `rank[i]` of head `head[i]`'s top-k list.
+
+    choices     the rank paths, sorted by (depth, path)
+    head        [N]     head whose top-k list gives the node's token (depth - 1; 0 for the root)
+    rank        [N]     rank of the node's token in that head's top-k list
+    """
+
+    choices: tuple[tuple[int, ...], ...]
+    head: torch.Tensor
+    rank: torch.Tensor
 
     @property
     def top_k(self) -> int:
@@ -56,8 +73,14 @@ class Tree:
         ends = [sum(counts[: d + 1]) for d in range(len(counts))]
         return [(end - count, end) for count, end in zip(counts, ends)]
 
-    def to(self, device: torch.device | str) -> "Tree":
-        return Tree(**{f.name: getattr(self, f.name).to(device) if f.name != "choices" else self.choices for f in fields(self)})
+
+def chain_tree(length: int) -> Tree:
+    """The root followed by a chain of `length` nodes (a draft model's or a lookup's candidates)."""
+    n = length + 1
+    depth = torch.arange(n)
+    parent = (depth - 1).clamp(min=0)
+    tree_mask = torch.ones(n, n, dtype=torch.bool).tril()
+    return Tree(depth, parent, tree_mask, torch.minimum(depth[None, :], depth[:, None]))
 
 
 def validate_choices(choices, num_heads: int | None = None, top_k: int | None = None) -> list[tuple[int, ...]]:
@@ -87,8 +110,8 @@ def validate_choices(choices, num_heads: int | None = None, top_k: int | None = 
     return sorted(paths, key=lambda p: (len(p), p))
 
 
-def build_tree(choices, num_heads: int | None = None) -> Tree:
-    """Rank paths -> Tree (on CPU; move it with .to(device) once)."""
+def build_tree(choices, num_heads: int | None = None) -> MedusaTree:
+    """Rank paths -> MedusaTree (on CPU; move it with .to(device) once)."""
     paths = validate_choices(choices, num_heads)
     index = {(): 0} | {path: i + 1 for i, path in enumerate(paths)}
     n = len(index)
@@ -110,7 +133,7 @@ def build_tree(choices, num_heads: int | None = None) -> Tree:
             ancestor = index[path[:d]]
             tree_mask[i, ancestor] = True
             node_paths[i, d] = ancestor
-    return Tree(tuple(paths), depth, parent, head, rank, tree_mask, node_paths)
+    return MedusaTree(depth, parent, tree_mask, node_paths, tuple(paths), head, rank)
 
 
 def grow_tree(rank_accuracy, num_nodes: int) -> list[list[int]]:

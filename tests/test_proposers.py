@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import medusa_spec.accept
-import medusa_spec.draft
-import medusa_spec.generate
+import medusa_spec.lookup
 from medusa_spec import generate_with_draft, generate_with_lookup, self_draft
 from medusa_spec.accept import processed_probs
 from medusa_spec.cli import main
@@ -146,7 +145,7 @@ def accept_resampling_from_p(draft_tokens, draft_probs, logits, sampling):
 
 
 def test_chi_square_rejects_a_wrong_draft_rule(monkeypatch):
-    monkeypatch.setattr(medusa_spec.draft, "accept_draft", accept_resampling_from_p)
+    monkeypatch.setattr(medusa_spec.accept, "accept_draft", accept_resampling_from_p)
     counts, probs, _ = sample_draft_triples()
     assert chi_square_p_value(counts, probs) < 1e-6
 
@@ -164,13 +163,13 @@ def test_ngram_search_prefers_the_longest_suffix_and_copies_past_the_end():
 
 def test_chains_are_as_long_as_the_longest_match():
     lookup = PromptLookup([[5, 6, 7, 5, 6], [9, 8], [1, 2, 3, 1]], documents=[[8, 40]], chain_length=4)
-    chain_tokens, has_match = lookup.propose("cpu")
+    chain_tokens, has_match = lookup.chains("cpu")
     assert has_match.tolist() == [True, True, True]
     assert chain_tokens.tolist() == [[7, 5, 6, 7], [40, 40, 40, 40], [2, 3, 1, 2]]  # short copies repeat their end
     lookup = PromptLookup([[5, 6], [9, 8]], documents=[], chain_length=4)
-    assert lookup.propose("cpu")[0].shape == (2, 0)  # nothing to copy: the step verifies the heads' tree alone
+    assert lookup.chains("cpu")[0].shape == (2, 0)  # nothing to copy: the step verifies the heads' tree alone
     lookup.extend([[5], []])
-    chain_tokens, has_match = lookup.propose("cpu")
+    chain_tokens, has_match = lookup.chains("cpu")
     assert chain_tokens.tolist() == [[6, 5, 6, 5], [8, 8, 8, 8]] and has_match.tolist() == [True, False]
 
 
@@ -283,13 +282,13 @@ def test_chi_square_rejects_equal_siblings_left_both_reachable(monkeypatch):
     """Without the tie-breaks (add_chain's, and acceptance's for any repeated sibling), a chain and a Medusa
     node holding the same token are both reached, get independent draws below them, and the deeper walk
     wins: candidates come out too often."""
-    add_chain = medusa_spec.generate.add_chain
+    add_chain = medusa_spec.lookup.add_chain
 
     def add_chain_without_tie_break(node_tokens, chain_tokens, has_match, num_tree_nodes, depth):
         node_tokens, _ = add_chain(node_tokens, chain_tokens, has_match, num_tree_nodes, depth)
         return node_tokens, node_tokens
 
-    monkeypatch.setattr(medusa_spec.generate, "add_chain", add_chain_without_tie_break)
+    monkeypatch.setattr(medusa_spec.lookup, "add_chain", add_chain_without_tie_break)
     monkeypatch.setattr(medusa_spec.accept, "repeats_a_sibling",
                         lambda node_tokens, tree: torch.zeros_like(node_tokens, dtype=torch.bool))
     counts, probs, _ = sample_lookup_triples(SETTINGS[0])

@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
 from scipy.stats import chisquare
+from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import medusa_spec.generate
+import medusa_spec.accept
 from medusa_spec import MedusaConfig, MedusaModel, Sampling
 from medusa_spec.accept import draw_targets, processed_probs
 from medusa_spec.generate import TRANSFORMERS_SAMPLING_DEFAULTS, resolve_sampling
@@ -154,7 +154,7 @@ def accept_with_retry(node_tokens, logits, tree, sampling):
 def test_chi_square_rejects_a_wrong_acceptance_rule(monkeypatch):
     model, prompt = setup()
     sampling = SETTINGS[0]
-    monkeypatch.setattr(medusa_spec.generate, "accept", accept_with_retry)
+    monkeypatch.setattr(medusa_spec.accept, "accept", accept_with_retry)
     counts, _ = sample_triples(model, prompt, sampling)
     assert chi_square_p_value(counts, exact_joint(model, prompt, sampling)) < 1e-6
 

@@ -1,0 +1,78 @@
+"""A generate call's arguments checked and resolved as transformers' generate resolves them: the prompt
+tensors, the sampling settings, the special tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .accept import Sampling
+from .base import model_device_dtype
+
+
+def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer):
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length] (e.g. tokenizer(..., return_tensors='pt').input_ids)")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one prompt token per row")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(input_ids.shape)}")
+        if not bool((attention_mask.sum(-1) > 0).all()):
+            raise ValueError("a row of attention_mask is all padding: every prompt needs at least one token")
+        if not bool(attention_mask[:, -1].bool().all()):
+            raise ValueError("prompts must be left-padded (attention_mask[:, -1] must be 1): set tokenizer.padding_side = 'left'")
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("a streamer works with one prompt (batch size 1), as in transformers")
+
+
+# What transformers' generate uses for a sampling argument that neither the call nor the model's
+# generation_config sets (GenerationConfig._get_default_generation_params; tests compare the two).
+TRANSFORMERS_SAMPLING_DEFAULTS = (("do_sample", False), ("temperature", 1.0), ("top_k", 50), ("top_p", 1.0))
+# Sampling warpers transformers' generate would also apply, with the value at which each does nothing;
+# medusa_spec draws only through temperature, top-k and top-p.
+UNSUPPORTED_WARPERS = (("min_p", None), ("top_h", None), ("typical_p", 1.0), ("epsilon_cutoff", 0.0),
+                       ("eta_cutoff", 0.0))
+
+
+def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, top_k=None, top_p=None) -> Sampling:
+    """The distribution `base_model.generate` would sample with the same arguments: each one given here,
+    else the model's generation_config, else transformers' default (top_k=50); top_k=0 / top_p=1 disable."""
+    gen_config = getattr(base_model, "generation_config", None)
+    given = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    resolved = {}
+    for name, default in TRANSFORMERS_SAMPLING_DEFAULTS:
+        value = given[name]
+        if value is None:
+            value = getattr(gen_config, name, None)
+        resolved[name] = default if value is None else value
+    if resolved["do_sample"]:
+        for name, neutral in UNSUPPORTED_WARPERS:
+            value = getattr(gen_config, name, None)
+            if value is not None and value != neutral:
+                raise ValueError(f"the base model's generation_config sets {name}={value!r}, which transformers applies "
+                                 f"when sampling and medusa_spec does not (it samples with temperature, top_k and "
+                                 f"top_p only); set base_model.generation_config.{name} = {neutral!r} to sample "
+                                 f"without it")
+    return Sampling(bool(resolved["do_sample"]), resolved["temperature"], resolved["top_k"], resolved["top_p"])
+
+
+def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
+    """(eos ids, pad id), defaulting to the base model's generation_config; eos_token_id=[] never stops early."""
+    gen_config = getattr(base_model, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(gen_config, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(gen_config, "pad_token_id", None)
+    return ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])), pad_token_id
+
+
+def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer):
+    """Checked inputs on the model's device: (input_ids, attention_mask as bool)."""
+    _check_inputs(input_ids, attention_mask, max_new_tokens, streamer)
+    device, _ = model_device_dtype(model)
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)).bool()
+    return input_ids, attention_mask

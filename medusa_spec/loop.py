@@ -1,0 +1,120 @@
+"""The speculative loop: prefill -> (propose -> verify -> accept -> commit)* -> sequences.
+
+Any proposer (propose.py) drafts the candidates; one verify pass of the base model checks them all,
+acceptance keeps the longest path the base model agrees with plus its own next token, and the cache
+keeps that path. One host sync per step (the per-row counts that decide streaming, stopping and how
+many cache slots to keep, and the new tokens for proposers that search the text on the host);
+everything else stays on the model's device.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import nn
+
+from .accept import Sampling, accept_candidates, draw_targets
+from .base import BaseSpec
+from .columnwise import columnwise_linears
+from .inputs import prepare_inputs
+from .kv_cache import new_cache
+from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
+from .propose import HostStep, Prompt, Proposer, StepResult
+from .slots import last_position, prefill
+from .verify import forward_block
+
+
+@contextmanager
+def eval_mode(module: nn.Module | None):
+    """`module` and all its submodules in eval mode for the block, then each in the mode it had before
+    (a caller training the heads between generations keeps training them)."""
+    modes = [(m, m.training) for m in module.modules()] if module is not None else []
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids: torch.Tensor,
+           attention_mask: torch.Tensor | None, max_new_tokens: int, sampling: Sampling, eos_token_id: list[int],
+           pad_token_id: int | None, streamer=None) -> GenerateOutput:
+    """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate."""
+    start = time.perf_counter()
+    input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
+    # Every model that sees the positions (the base, a draft model) must embed them: the lowest limit caps them.
+    limits = [last_position(m, attention_mask, max_new_tokens) for m in (base_model, *proposer.modules)]
+    max_position = min((limit for limit in limits if limit is not None), default=None)
+    device = input_ids.device
+    batch = input_ids.shape[0]
+    writer = SequenceWriter(input_ids, max_new_tokens, eos_token_id, pad_token_id)
+    stats = GenerationStats()
+    accepted_at_depth = torch.zeros(proposer.max_depth, dtype=torch.long, device=device)
+
+    with torch.inference_mode(), ExitStack() as modes:
+        # The candidates' few rows run column-wise on CPU (see columnwise); proposers run in eval mode.
+        modes.enter_context(columnwise_linears(base_model, *proposer.modules))
+        for module in proposer.modules:
+            modes.enter_context(eval_mode(module))
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
+        logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position)
+        root = draw_targets(logits, sampling)[:, -1]
+        count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
+        stats.steps = 1
+        synced = torch.cat([writer.finished.all()[None].long(), count[:1]]).tolist()
+        done = bool(synced[0])
+        stream(streamer, root[:, None], synced[1])
+        proposer.start(Prompt(input_ids, attention_mask, hidden, root, max_position))
+
+        while not done:
+            # 2. Propose.
+            candidates = proposer.propose(root)
+            node_tokens, tree = candidates.node_tokens, candidates.tree
+            # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
+            q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
+            logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
+                                           kv_pos)
+            # 4. Accept: the longest path the base model agrees with, plus its own next token.
+            last_node, accept_length, bonus = accept_candidates(candidates, logits, sampling)
+            path = tree.node_paths[last_node]  # [B, D+1]: root, accepted nodes, then repeats
+            new_tokens = torch.cat([node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
+            new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
+            active = ~writer.finished
+            accepted_at_depth[: tree.max_depth] += (
+                accept_length[:, None] > torch.arange(tree.max_depth, device=device)).masked_fill(
+                ~active[:, None], False).sum(0)
+            count = writer.append(new_tokens, accept_length + 1)
+            # The one host sync of the step.
+            width = new_tokens.shape[1]
+            synced = torch.cat([writer.finished.all()[None].long(), count, accept_length, active.long(),
+                                new_tokens.flatten()]).tolist()
+            done = bool(synced[0])
+            counts, accept_lengths = synced[1: 1 + batch], synced[1 + batch: 1 + 2 * batch]
+            host_tokens = synced[1 + 3 * batch:]
+            emitted = [host_tokens[b * width: b * width + counts[b]] for b in range(batch)]
+            longest = max(accept_lengths) + 1
+            stats.steps += 1
+            going = ~writer.finished
+            host = HostStep(accept_lengths, [bool(a) for a in synced[1 + 2 * batch: 1 + 3 * batch]], emitted)
+            proposer.update(StepResult(candidates, hidden, last_node, accept_length, path[:, :longest],
+                                       new_tokens[:, :longest], active, going, host))
+            # 5. Commit: keep each row's accepted path in the cache (rows that accepted fewer than the longest
+            # get invalid slots: sync points), then move the root forward. A finished row stays in the batch
+            # but stands still: no valid slots, no new positions.
+            n_kept = (accept_length + 1) * going
+            slots.commit(path[:, :longest], n_kept, n_kept)
+            root = bonus
+            stream(streamer, new_tokens, counts[0])
+
+    if streamer is not None:
+        streamer.end()
+    stats.accepted_at_depth = accepted_at_depth.tolist()
+    proposer.finish(stats)
+    stats.wall_time = time.perf_counter() - start
+    return writer.output(stats)
