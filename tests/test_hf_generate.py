@@ -7,7 +7,7 @@ from transformers import GenerationConfig, TextStreamer
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from medusa_spec.hf_generate import CUSTOM_GENERATE, medusa_decoding
-from test_generate import TREE, OracleHeads, left_padded, medusa, prompt
+from test_generate import TREE, OracleHeads, RecordingStreamer, left_padded, medusa, prompt
 from tiny_models import WINDOW, tiny_model
 
 # The two forms transformers accepts: the shipped folder (runs its generate.py, so trust_remote_code) and the callable.
@@ -17,17 +17,6 @@ ROUTES = {"folder": dict(custom_generate=CUSTOM_GENERATE, trust_remote_code=True
 
 def plain(model, ids, **kwargs):
     return model.generate(ids, do_sample=False, **kwargs)
-
-
-class RecordingStreamer:
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, tokens):
-        self.chunks.append(tokens.clone())
-
-    def end(self):
-        self.ended = True
 
 
 class Digits:  # the tokenizer interface TextStreamer uses
