@@ -13,7 +13,7 @@ import torch
 from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
-from .formats import add_convert_command
+from .formats import FORMATS, convert
 from .generate import generate_with_lookup
 from .model import MedusaModel
 from .train.cli import add_train_commands
@@ -224,6 +224,12 @@ def run_bench(args) -> int:
     return 0
 
 
+def run_convert(args) -> int:
+    convert(args.src, args.dst, to=args.to, base_model=args.base_model)
+    print(f"wrote {args.to} heads to {args.dst}")
+    return 0
+
+
 def _add_model_options(parser) -> None:
     parser.add_argument("--model", default=None,
                         help="local folder of a transformers causal LM with its tokenizer (default: "
@@ -321,7 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=run_bench)
 
     add_train_commands(commands)
-    add_convert_command(commands)
+
+    p = commands.add_parser("convert", help="convert Medusa heads between formats",
+                            description="Convert Medusa heads between medusa_spec's, the original Medusa (read by "
+                                        "TensorRT-LLM's and TGI's converters) and vLLM's formats.")
+    p.add_argument("src", help="folder holding the heads, in any of the formats (detected from its files)")
+    p.add_argument("dst", help="folder to write; files of the target format there are replaced")
+    p.add_argument("--to", required=True, choices=FORMATS, help="format to write")
+    p.add_argument("--base-model", default=None, metavar="PATH",
+                   help="the base model's folder: needed for --to vllm when the heads share the base LM head; "
+                        "checked against the heads")
+    p.set_defaults(func=run_convert)
     return parser
 
 

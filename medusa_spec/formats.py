@@ -9,7 +9,6 @@ loader hid this by loading with strict=False).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pickle
@@ -338,28 +337,6 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
         write_medusa(dst_dir, config, state_dict)
     else:
         write_vllm(dst_dir, config, state_dict, base_lm_head)
-
-
-def add_convert_command(subparsers) -> argparse.ArgumentParser:
-    """Register `medusa-spec convert SRC DST --to FORMAT [--base-model PATH]` on argparse `subparsers`;
-    the parsed arguments' `func(args)` runs it and returns the exit status."""
-    parser = subparsers.add_parser("convert", help="convert Medusa heads between formats",
-                                   description="Convert Medusa heads between medusa_spec's, the original Medusa "
-                                               "(read by TensorRT-LLM's and TGI's converters) and vLLM's formats.")
-    parser.add_argument("src", help="folder holding the heads, in any of the formats (detected from its files)")
-    parser.add_argument("dst", help="folder to write; files of the target format there are replaced")
-    parser.add_argument("--to", required=True, choices=FORMATS, help="format to write")
-    parser.add_argument("--base-model", default=None, metavar="PATH",
-                        help="the base model's folder: needed for --to vllm when the heads share the base LM head; "
-                             "checked against the heads")
-    parser.set_defaults(func=_convert_command)
-    return parser
-
-
-def _convert_command(args: argparse.Namespace) -> int:
-    convert(args.src, args.dst, to=args.to, base_model=args.base_model)
-    print(f"wrote {args.to} heads to {args.dst}")
-    return 0
 
 
 def _write_json(file: Path, data: dict) -> None:

@@ -1,6 +1,5 @@
 """Head adapters: save/load hardening, interchange formats, Medusa-2 LoRA. Tiny random models, synthetic checkpoints."""
 
-import argparse
 import json
 import os
 import re
@@ -16,7 +15,8 @@ from torch import nn
 
 import medusa_spec.io
 from medusa_spec import MedusaConfig, MedusaModel
-from medusa_spec.formats import FORMATS, add_convert_command, convert, read_heads
+from medusa_spec.cli import main
+from medusa_spec.formats import FORMATS, convert, read_heads
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -567,12 +567,9 @@ def test_convert_command(tmp_path):
     base.save_pretrained(tmp_path / "base")
     model = random_medusa(base, num_heads=2, share_lm_head=True)
     model.save_heads(tmp_path / "own")
-    parser = argparse.ArgumentParser(prog="medusa-spec")
-    add_convert_command(parser.add_subparsers(dest="command", required=True))
     for fmt in FORMATS:
-        args = parser.parse_args(["convert", str(tmp_path / "own"), str(tmp_path / fmt), "--to", fmt,
-                                  "--base-model", str(tmp_path / "base")])
-        assert args.func(args) == 0
+        assert main(["convert", str(tmp_path / "own"), str(tmp_path / fmt), "--to", fmt,
+                     "--base-model", str(tmp_path / "base")]) == 0
         assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / fmt), model)
     assert torch.equal(load_file(tmp_path / "vllm" / "model.safetensors")["lm_head.weight"], base.lm_head.weight)
     # The base model's path is recorded where the source had no name.
