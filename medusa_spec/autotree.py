@@ -3,6 +3,7 @@ the tree with the most expected tokens per second for the heads' measured rank a
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from functools import partial
@@ -11,7 +12,7 @@ import torch
 
 from .columnwise import columnwise_linears
 from .kv_cache import new_cache
-from .propose import draft_tree
+from .propose import Candidates, HostStep, Prompt, StepResult, heads_proposer
 from .slots import prefill
 from .tree import build_tree, grow_tree
 from .verify import forward_block
@@ -41,54 +42,70 @@ def _fastest_seconds(fns: dict, repeats: int) -> dict:
 @torch.inference_mode()
 def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5,
                        rank_accuracy=None) -> tuple[dict[int, float], dict[int, float]]:
-    """Seconds of one verify pass of n nodes after `context` cached tokens, and of drafting n nodes with
-    the heads (one call for Medusa heads, one per level for dependent heads; with a context layer, its
-    step over the slots a step may keep too), for each n in sizes. The verified slots are dropped
-    again after each pass. The trees timed are those choose_tree weighs, grown from `rank_accuracy`
-    (default: equal accuracies): a dependent head's drafting cost is one call per tree depth, so a
-    tree of the same size but another shape costs another time (over a full 49k vocabulary, a one-level
-    4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
+    """Seconds of one verify pass of n nodes after `context` cached tokens, and of one step of drafting n nodes,
+    for each n in sizes: as the decoding loop runs them, the heads' proposer taking a step's result (with a
+    context layer, its step over the slots the step kept) and proposing, then one verify pass through Slots,
+    whose slots are dropped again. The trees timed are those choose_tree weighs, grown from `rank_accuracy`
+    (default: equal accuracies): a dependent head's drafting cost is one call per tree depth, so a tree of the
+    same size but another shape costs another time (over a full 49k vocabulary, a one-level 4-node tree
+    drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
     with columnwise_linears(mm.base_model, mm.heads):  # as the decoding loop runs (see columnwise)
         base, spec = mm.base_model, mm.spec
         device = base.get_output_embeddings().weight.device
         ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
         valid = torch.ones_like(ids, dtype=torch.bool)
         _, hidden, slots = prefill(base, spec, ids, valid, new_cache())
-        root = ids[:, -1]
-        context_layer = getattr(mm.heads, "context", None)
-        if context_layer is not None:
-            embed = base.get_input_embeddings()
-            context_cache, _ = context_layer.extend(None, hidden, embed(ids), embed(ids), valid,
-                                                      torch.full_like(root, context - 1))
-
-        def draft(tree):
-            state = hidden[:, -1]
-            if context_layer is not None:  # a step keeps up to max_depth + 1 slots
-                kept = slice(context - tree.max_depth - 1, context)
-                _, state = context_layer.extend(context_cache, hidden[:, kept], embed(ids[:, kept]), embed(ids[:, kept]),
-                                                valid[:, kept], torch.full_like(root, tree.max_depth))
-            draft_tree(mm.heads, base, root, state, tree)
-
-        def verify(tree):  # as the decoding loop verifies, then commits nothing: the cache stays at `context`
-            tokens = torch.randint(0, spec.vocab_size, (1, tree.num_nodes), device=device)
-            q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
-            forward_block(base, spec, tokens, q_pos, tree.tree_mask, slots.cache, kv_valid, kv_pos)
-            slots.commit(keep_nothing, no_rows, no_rows)
-
+        root = ids[:, -1]  # any token: only the costs count
+        prompt = Prompt(ids, valid, hidden, root, None)
         keep_nothing = torch.zeros(1, 0, dtype=torch.long, device=device)
         no_rows = torch.zeros(1, dtype=torch.long, device=device)
+
+        def verify(candidates: Candidates) -> torch.Tensor:
+            """As the decoding loop verifies, then commits nothing: the cache stays at `context`."""
+            q_pos, kv_valid, kv_pos = slots.verify_inputs(candidates.tree.depth)
+            _, verified = forward_block(base, spec, candidates.node_tokens, q_pos, candidates.tree.tree_mask,
+                                        slots.cache, kv_valid, kv_pos)
+            slots.commit(keep_nothing, no_rows, no_rows)
+            return verified
+
         accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
         trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
-        for tree in trees.values():
-            verify(tree)  # warm-up
-        latency = _fastest_seconds({n: partial(verify, tree) for n, tree in trees.items()}, repeats)
-        head_seconds = _fastest_seconds({n: partial(draft, tree) for n, tree in trees.items() if n > 1}, repeats)
-        return latency, {**head_seconds, **({1: 0.0} if 1 in trees else {})}
+        proposers, steps = {}, {}
+        for n, tree in trees.items():
+            proposers[n] = heads_proposer(base, mm.heads, tree)
+            proposers[n].start(prompt)
+            candidates = proposers[n].propose(root)
+            steps[n] = deepest_step(candidates, verify(candidates), root)  # also the verify pass's warm-up
+
+        def draft(n: int) -> None:
+            # Each step from the started proposer: update replaces its state (a new context cache) rather than
+            # changing it, so a shallow copy starts where the prompt left it, and every step sees `context` slots.
+            proposer = copy.copy(proposers[n])
+            proposer.update(steps[n])
+            proposer.propose(root)
+
+        latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats)
+        draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats)
+        return latency, draft_seconds
 
 
-def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float | dict[int, float]) -> tuple[list[list[int]], list[dict]]:
-    """The tree (rank paths) maximising expected tokens / (verify + heads seconds), and the table behind it.
-    head_seconds: drafting cost, one figure or one per tree size. A root-only tree (no speculation)
+def deepest_step(candidates: Candidates, hidden: torch.Tensor, bonus: torch.Tensor) -> StepResult:
+    """A step of one row that accepted the tree's deepest path, the most slots a context layer's step takes;
+    hidden [1, N, H] from the verify pass, bonus [1]."""
+    tree = candidates.tree
+    last_node = tree.depth.argmax()[None]
+    accept_length = tree.depth[last_node]
+    path = tree.node_paths[last_node]  # [1, D+1]: the root and every node of the path
+    new_tokens = torch.cat([candidates.node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
+    row = torch.ones(1, dtype=torch.bool, device=bonus.device)
+    host = HostStep([int(accept_length)], [True], [new_tokens[0].tolist()])
+    return StepResult(candidates, hidden, last_node, accept_length, path, new_tokens, row, row, host)
+
+
+def choose_tree(rank_accuracy, latency: dict[int, float],
+                draft_seconds: float | dict[int, float]) -> tuple[list[list[int]], list[dict]]:
+    """The tree (rank paths) maximising expected tokens / (verify + drafting seconds), and the table behind it.
+    draft_seconds: drafting cost, one figure or one per tree size. A root-only tree (no speculation)
     needs no heads and is always a candidate."""
     table = []
     for n, seconds in sorted(latency.items()):
@@ -96,10 +113,11 @@ def choose_tree(rank_accuracy, latency: dict[int, float], head_seconds: float | 
         if len(choices) + 1 != n:
             continue  # the accuracies allow no tree this large
         expected = expected_tokens_per_step(choices, rank_accuracy)
-        draft = head_seconds.get(n, 0.0) if isinstance(head_seconds, dict) else head_seconds
+        draft = draft_seconds.get(n, 0.0) if isinstance(draft_seconds, dict) else draft_seconds
         step = seconds + (draft if n > 1 else 0.0)
-        table.append({"nodes": n, "expected_tokens_per_step": round(expected, 3), "verify_ms": round(1000 * seconds, 2),
-                      "draft_ms": round(1000 * (step - seconds), 2), "step_ms": round(1000 * step, 2),
-                      "expected_tokens_per_second": round(expected / step, 2), "tree": choices})
+        table.append({"nodes": n, "expected_tokens_per_step": round(expected, 3),
+                      "verify_ms": round(1000 * seconds, 2), "draft_ms": round(1000 * (step - seconds), 2),
+                      "step_ms": round(1000 * step, 2), "expected_tokens_per_second": round(expected / step, 2),
+                      "tree": choices})
     best = max(table, key=lambda row: row["expected_tokens_per_second"])
     return best["tree"], table

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, autotree
+from medusa_spec import MedusaConfig, MedusaModel, propose
 from medusa_spec.autotree import choose_tree, expected_tokens_per_step
 from medusa_spec.context import ContextLayer
 from tiny_models import tiny_model
@@ -17,13 +17,13 @@ def test_expected_tokens_per_step_is_the_sum_of_path_products():
 
 def test_choose_tree_trades_acceptance_against_measured_latency():
     flat = {1: 0.010, 2: 0.010, 3: 0.010, 4: 0.010, 5: 0.010}
-    tree, table = choose_tree(ACCURACY, flat, head_seconds=0.001)
+    tree, table = choose_tree(ACCURACY, flat, draft_seconds=0.001)
     assert len(tree) == 4  # verification is free: the biggest tree wins
     steep = {1: 0.010, 2: 0.020, 3: 0.030, 4: 0.040, 5: 0.050}
-    tree, _ = choose_tree(ACCURACY, steep, head_seconds=0.001)
+    tree, _ = choose_tree(ACCURACY, steep, draft_seconds=0.001)
     assert tree == []  # every node costs more than it brings: no speculation
     middle = {1: 0.010, 2: 0.011, 3: 0.030, 4: 0.031, 5: 0.032}
-    tree, table = choose_tree(ACCURACY, middle, head_seconds=0.0)
+    tree, table = choose_tree(ACCURACY, middle, draft_seconds=0.0)
     assert tree == [[0]] and {row["nodes"] for row in table} == {1, 2, 3, 4, 5}
 
 
@@ -44,7 +44,9 @@ def test_auto_tree_counts_the_context_layers_step_in_the_drafting_cost(monkeypat
     extend = ContextLayer.extend
     monkeypatch.setattr(ContextLayer, "extend", lambda self, cache, *args: steps.append(cache) or extend(self, cache, *args))
     _, table = mm.auto_tree(context=32)
-    assert steps[0] is None and len(steps) > 1 and all(cache.keys.shape[2] == 32 for cache in steps[1:])
+    # Each tree's proposer takes the prompt (no cache yet); every timed step then extends the prompt's 32 slots.
+    timed = [cache for cache in steps if cache is not None]
+    assert steps[0] is None and timed and all(cache.keys.shape[2] == 32 for cache in timed)
     assert all(row["draft_ms"] > 0 for row in table if row["nodes"] > 1)
 
 
@@ -55,12 +57,12 @@ def test_auto_tree_times_the_trees_its_accuracies_grow(monkeypatch):
     mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, head_type="dependent",
                                                                  metrics={"eval": {"rank_accuracy": chain_first}}))
     depths = {}
-    draft_tree = autotree.draft_tree
+    draft_tree = propose.draft_tree
 
     def recording(heads, base_model, root, state, tree):
         depths[tree.num_nodes] = tree.max_depth
         return draft_tree(heads, base_model, root, state, tree)
 
-    monkeypatch.setattr(autotree, "draft_tree", recording)
+    monkeypatch.setattr(propose, "draft_tree", recording)
     mm.auto_tree(context=32)
     assert depths[3] == 2 and depths[4] == 2  # [[0], [0, 0]] and [[0], [0, 0], [1]], not [[0], [1], [2]]
