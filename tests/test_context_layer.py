@@ -14,7 +14,8 @@ import torch
 from medusa_spec import MedusaConfig, MedusaModel
 from medusa_spec.context import ContextLayer
 from medusa_spec.formats import convert
-from medusa_spec.train.loop import causal_within_examples, train
+from medusa_spec.train.loop import train
+from medusa_spec.train.module import causal_within_examples
 from test_dependent_heads import TREE, assert_samples_follow_the_base, head0_accuracy, one_thread, random_heads  # noqa: F401 (an autouse fixture)
 from test_generate import left_padded, prompt, reference_generate
 from test_sampling import SETTINGS

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from medusa_spec import MedusaConfig, MedusaModel, grow_tree
 from medusa_spec.train import loop
 from medusa_spec.train.cli import add_train_commands
+from medusa_spec.train.config import TrainConfig
 from medusa_spec.train.data import (
     Example,
     Prompt,
@@ -44,8 +45,9 @@ from medusa_spec.train.data import (
 from medusa_spec.train.distill import DistillConfig, answer, distill
 from medusa_spec.train.evaluate import count_rank_hits
 from medusa_spec.train.load import load_model_and_tokenizer
-from medusa_spec.train.loop import TrainConfig, TrainModule, train
+from medusa_spec.train.loop import train
 from medusa_spec.train.loss import heads_loss, kl_to_teacher, linear_cross_entropy, shifted_cross_entropy
+from medusa_spec.train.module import TrainModule
 from medusa_spec.train.options import resolve
 from medusa_spec.train.server import ServerError, distill_via_server
 from medusa_spec.train.store import read_records

@@ -11,11 +11,13 @@ from accelerate import Accelerator
 
 from ..base import inspect_base_model
 from ..model import MedusaModel
+from .config import TrainConfig
 from .data import make_rows, parse_prompt_spec, read_conversations, read_prompts, tokenize_conversation
 from .distill import DistillConfig, distill
 from .evaluate import calibrate_tree, evaluate
 from .load import load_model_and_tokenizer
-from .loop import TrainConfig, TrainModule, train
+from .loop import train
+from .module import TrainModule
 from .options import add_options, resolve
 from .server import distill_via_server
 
