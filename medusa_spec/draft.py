@@ -121,7 +121,7 @@ def _check_draft_lengths(num_draft_tokens, max_draft_tokens) -> None:
         raise ValueError(f"max_draft_tokens must be an integer >= 1 (the most draft tokens per step), got {max_draft_tokens!r}")
 
 
-class DraftModel(Proposer):
+class DraftModelProposer(Proposer):
     """A draft model drafting a chain of K tokens one forward at a time, K fixed or adaptive.
 
     It keeps its own cache (Slots, the same positions as the base's). The token before the root that it
@@ -136,7 +136,7 @@ class DraftModel(Proposer):
         self.num_draft_tokens, self.max_draft_tokens = num_draft_tokens, max_draft_tokens
         self.max_depth = num_draft_tokens or max_draft_tokens
         self.draft_length = num_draft_tokens or min(FIRST_DRAFT_LENGTH, max_draft_tokens)
-        self.chains: dict[int, Tree] = {}  # K -> the chain tree root -> x_1 -> ... -> x_K, built on first use
+        self.chain_trees: dict[int, Tree] = {}  # K -> the chain tree root -> x_1 -> ... -> x_K, built on first use
         self.accepted = self.rejected = 0  # draft tokens kept / rejected in the steps so far (rows still generating)
         self.draft_time = self.verify_time = 0.0
         self.draft_forwards = 0
@@ -156,9 +156,9 @@ class DraftModel(Proposer):
         """K forwards of the draft model, each drawing x_i from q_i; the first one also feeds the unseen token,
         so the block's slots are [unseen, root, x_1, ..., x_{K-1}]."""
         k = self.draft_length
-        if k not in self.chains:
-            self.chains[k] = chain_tree(k).to(root.device)
-        chain = self.chains[k]
+        if k not in self.chain_trees:
+            self.chain_trees[k] = chain_tree(k).to(root.device)
+        chain = self.chain_trees[k]
         self.step_start = self.clock.mark()
         model, spec, slots = self.draft_model, self.draft_spec, self.slots
         q_pos, kv_valid, kv_pos = slots.verify_inputs(
@@ -231,5 +231,5 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
     spec, draft_spec = check_draft_model(base_model, draft_model)
     sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p)
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
-    proposer = DraftModel(draft_model, draft_spec, sampling, num_draft_tokens, max_draft_tokens)
+    proposer = DraftModelProposer(draft_model, draft_spec, sampling, num_draft_tokens, max_draft_tokens)
     return decode(base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad, streamer)

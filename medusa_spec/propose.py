@@ -138,7 +138,7 @@ class HeadsProposer(Proposer):
             prompt.attention_mask, torch.full_like(prompt.root, input_ids.shape[1] - 1))
 
     def propose(self, root: torch.Tensor) -> Candidates:
-        return Candidates(draft_tree(self.heads, self.base_model, root, self.state, self.layout), self.layout)
+        return Candidates(draft_with_heads(self.heads, self.base_model, root, self.state, self.layout), self.layout)
 
     def update(self, step: StepResult) -> None:
         hidden = step.hidden
@@ -160,8 +160,8 @@ def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaT
     return HeadsProposer(base_model, heads, tree) if tree.num_nodes > 1 else RootOnly()
 
 
-def draft_tree(heads: nn.Module, base_model: nn.Module, root: torch.Tensor, last_hidden: torch.Tensor,
-               tree: MedusaTree) -> torch.Tensor:
+def draft_with_heads(heads: nn.Module, base_model: nn.Module, root: torch.Tensor, last_hidden: torch.Tensor,
+                     tree: MedusaTree) -> torch.Tensor:
     """root [B] (the token the base model just chose), last_hidden [B, H] (the heads' input state before
     root) -> node_tokens [B, N]; node 0 is the root."""
     lm_head = base_model.get_output_embeddings()

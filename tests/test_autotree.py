@@ -57,12 +57,12 @@ def test_auto_tree_times_the_trees_its_accuracies_grow(monkeypatch):
     mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, head_type="dependent",
                                                                  metrics={"eval": {"rank_accuracy": chain_first}}))
     depths = {}
-    draft_tree = propose.draft_tree
+    drafting = propose.draft_with_heads
 
     def recording(heads, base_model, root, state, tree):
         depths[tree.num_nodes] = tree.max_depth
-        return draft_tree(heads, base_model, root, state, tree)
+        return drafting(heads, base_model, root, state, tree)
 
-    monkeypatch.setattr(propose, "draft_tree", recording)
+    monkeypatch.setattr(propose, "draft_with_heads", recording)
     mm.auto_tree(context=32)
     assert depths[3] == 2 and depths[4] == 2  # [[0], [0, 0]] and [[0], [0, 0], [1]], not [[0], [1], [2]]
