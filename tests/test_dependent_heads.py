@@ -12,7 +12,7 @@ from torch import nn
 
 from medusa_spec import MedusaConfig, MedusaModel, build_tree
 from medusa_spec.formats import convert, read_heads
-from medusa_spec.propose import draft_tree
+from medusa_spec.propose import draft_with_heads
 from medusa_spec.train.data import Example
 from medusa_spec.train.draft_vocab import answer_token_counts, coverage, draft_index, frequent_tokens
 from medusa_spec.train.loop import train
@@ -54,7 +54,7 @@ def test_dependent_drafting_gives_each_node_its_heads_choice_after_its_own_path(
     tree = build_tree(TREE)
     hidden, root = torch.randn(2, 32), torch.tensor([5, 17])
     with torch.no_grad():
-        node_tokens = draft_tree(mm.heads, model, root, hidden, tree)
+        node_tokens = draft_with_heads(mm.heads, model, root, hidden, tree)
         embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
         for b in range(2):
             tokens = {(): int(root[b])}
@@ -73,7 +73,7 @@ def test_medusa_heads_with_a_token_map_propose_only_draft_tokens():
     model = tiny_model("llama")
     mm = random_heads(model, draft_vocab_size=10)
     with torch.no_grad():
-        node_tokens = draft_tree(mm.heads, model, torch.tensor([3]), torch.randn(1, 32), build_tree(TREE))
+        node_tokens = draft_with_heads(mm.heads, model, torch.tensor([3]), torch.randn(1, 32), build_tree(TREE))
     assert torch.isin(node_tokens[:, 1:], mm.heads.token_map).all()
 
 
