@@ -15,6 +15,7 @@ from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
 from .formats import FORMATS, convert
 from .generate import generate_with_lookup
+from .inputs import resolve_sampling
 from .model import MedusaModel
 from .train.cli import add_train_commands
 
@@ -35,7 +36,10 @@ def _tree_arg(text: str):
 
 
 def _sampling_kwargs(args) -> dict:
-    return dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    """The sampling flags given; the rest left out, not None: transformers' generate takes an explicit None as a
+    setting, which would override the model's generation_config (MedusaModel.generate treats None as not given)."""
+    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def demo(args) -> int:
@@ -47,11 +51,12 @@ def demo(args) -> int:
                                       num_attention_heads=4, num_key_value_heads=2)
     base = transformers.AutoModelForCausalLM.from_config(config).eval()
     mm = MedusaModel.from_base(base, MedusaConfig(num_heads=3))
+    tree = _auto_tree(mm)[0] if args.tree == "auto" else args.tree
     ids = torch.randint(3, 512, (1, 16))
     start = time.perf_counter()
     plain = base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     plain_time = time.perf_counter() - start
-    out = mm.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], tree=args.tree)
+    out = mm.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], tree=tree)
     stats = out.stats
     print(f"tiny random Llama, {args.max_new_tokens} new tokens, untrained heads")
     print(f"identical to transformers greedy: {torch.equal(out.sequences, plain)}")
@@ -72,7 +77,7 @@ def load(args):
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
     if heads is None:
         print("[no heads given: untrained heads, expect no speed-up]", file=sys.stderr)
-    if getattr(args, "tree", None) == "auto":
+    if args.tree == "auto":
         args.tree, args.tree_table = _auto_tree(mm)
     return mm, tokenizer
 
@@ -158,12 +163,13 @@ def generate(args) -> int:
     print(f"\n[{sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s, "
           f"{stats.tokens_per_step:.2f} tokens/step{extra}]", file=sys.stderr)
     if args.compare:
+        greedy = not resolve_sampling(base, **_sampling_kwargs(args)).do_sample
         start = time.perf_counter()
         with torch.inference_mode():
             plain = base.generate(ids.to(args.device), max_new_tokens=args.max_new_tokens, **_sampling_kwargs(args))
         plain_rate = (plain.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
         print(f"[transformers generate: {plain_rate:.1f} tok/s; speed-up {stats.tokens_per_second / plain_rate:.2f}x"
-              + (f"; identical: {torch.equal(plain.cpu(), out.sequences.cpu())}]" if not args.do_sample else "]"),
+              + (f"; identical: {torch.equal(plain.cpu(), out.sequences.cpu())}]" if greedy else "]"),
               file=sys.stderr)
     return 0
 
@@ -199,6 +205,10 @@ def chat(args) -> int:
 def run_bench(args) -> int:
     if args.methods and "draft_model" in args.methods and args.draft_model is None:
         raise ValueError("the draft_model method needs --draft-model DIR")
+    lookup = bench.LOOKUP_TOKENS if args.lookup is None else args.lookup
+    if not lookup and {"lookup", "medusa_lookup"} & set(args.methods or bench.DEFAULT_METHODS):
+        raise ValueError("--lookup 0 leaves the lookup and medusa_lookup methods no chain to verify; choose the other "
+                         "methods with --methods")
     mm, tokenizer = load(args)
     methods = args.methods
     if methods is None:  # every method that needs no extra model, and draft_model when one is given
@@ -210,11 +220,11 @@ def run_bench(args) -> int:
                                 load_draft_model(args) if "draft_model" in methods else None)
     prompts = bench.read_eval_prompts(args.prompts, args.per_category)[: args.limit]
     records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, methods, seed=args.seed,
-                          drafts=drafts, lookup_tokens=args.lookup)
+                          drafts=drafts, lookup_tokens=lookup)
     heads = _heads_path(args)
     meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(heads) if heads else None,
             "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
-            "methods": list(methods), "lookup_tokens": args.lookup, "self_draft_layers": args.self_draft_layers,
+            "methods": list(methods), "lookup_tokens": lookup, "self_draft_layers": args.self_draft_layers,
             "draft_model": args.draft_model, "tree_auto_table": getattr(args, "tree_table", None),
             "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype}
     report = bench.write_report(records, args.out, meta)
@@ -230,24 +240,67 @@ def run_convert(args) -> int:
     return 0
 
 
+# Options that several subcommands take are each defined once, here, in groups: a subcommand adds the groups it
+# takes, so a flag has the same name, type, default and help wherever it appears.
+
 def _add_model_options(parser) -> None:
-    parser.add_argument("--model", default=None,
+    """The model to load: generate, chat, bench."""
+    parser.add_argument("--model", default=None, metavar="DIR",
                         help="local folder of a transformers causal LM with its tokenizer (default: "
                              f"SmolLM2-135M-Instruct from the {default_model.DISTRIBUTION} package)")
-    parser.add_argument("--heads", default=None,
+    parser.add_argument("--heads", default=None, metavar="DIR",
                         help="adapter folder (default: the shipped heads for the default model, else untrained heads)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the model is loaded in")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device the model runs on (default: cuda when available, else cpu)")
 
 
-def _add_generation_options(parser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+def _add_decoding_options(parser) -> None:
+    """Length and candidate tree: every subcommand that decodes (demo, generate, chat, bench)."""
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                        help="tokens to generate for each prompt (default: 128)")
     parser.add_argument("--tree", type=_tree_arg, default="auto",
-                        help="JSON rank paths, 'off', or 'auto' (fastest for this machine and the heads' accuracies)")
-    parser.add_argument("--do-sample", action="store_true")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+                        help="the heads' candidate tree: JSON rank paths such as '[[0],[1],[0,0]]', 'off' (one token "
+                             "per step), or 'auto' (default: the tree with the most expected tokens per second on "
+                             "this machine for the heads' measured accuracies; the heads' own tree when they carry "
+                             "none)")
+
+
+def _add_sampling_options(parser) -> None:
+    """generate, chat. Each one not given comes from the model's generation_config, else transformers' default, as in
+    transformers' generate (inputs.resolve_sampling): a model whose generation_config samples samples here too."""
+    parser.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                        help="sample; --no-do-sample: greedy (default: the model's generation_config, else greedy)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: the model's generation_config, else 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="sample among the K most likely tokens, 0: all (default: the model's generation_config, "
+                             "else 50)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P",
+                        help="sample among the most likely tokens whose probabilities sum to P, 1.0: all (default: "
+                             "the model's generation_config, else 1.0)")
+
+
+def _add_seed_option(parser) -> None:
+    """demo, bench."""
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of torch's random numbers: the demo's random model and prompt, bench's sampling")
+
+
+def _add_proposer_options(parser) -> None:
+    """Proposers besides the heads: generate speculates with one, bench compares them as methods."""
+    parser.add_argument("--lookup", type=_non_negative_int, default=None, metavar="N",
+                        help="also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the "
+                             "output and --documents) in the same pass as the heads' tree; in bench, the chain of "
+                             f"the lookup and medusa_lookup methods (default {bench.LOOKUP_TOKENS}; 0 turns it off, "
+                             "the default of generate with a draft model)")
+    parser.add_argument("--draft-model", default=None, metavar="DIR",
+                        help="a draft model with the base's vocabulary: generate speculates with it instead of the "
+                             "heads; bench adds the draft_model method")
+    parser.add_argument("--self-draft-layers", type=_positive_int, default=None, metavar="N",
+                        help="a draft made of the model's first N layers (Llama, Qwen2, Gemma): generate speculates "
+                             "with it instead of the heads; bench's self_draft method uses it (default there: half "
+                             "the model's layers)")
 
 
 def _non_negative_int(text: str) -> int:
@@ -263,67 +316,51 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_proposer_options(parser) -> None:
-    parser.add_argument("--lookup", type=_non_negative_int, default=None, metavar="N",
-                        help="also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the "
-                             f"output and --documents) in the same pass as the heads' tree "
-                             f"(default {bench.LOOKUP_TOKENS}; 0 turns it off)")
-    parser.add_argument("--documents", nargs="+", default=None, metavar="FILE",
-                        help="text files whose tokens prompt lookup also searches (with --lookup)")
-    parser.add_argument("--draft-model", default=None, metavar="DIR",
-                        help="speculate with this draft model (same vocabulary) instead of the heads")
-    parser.add_argument("--self-draft-layers", type=_positive_int, default=None, metavar="N",
-                        help="speculate with a draft made of the model's first N layers (Llama, Qwen2, Gemma)")
-    parser.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
-                        help="draft tokens per step (default: chosen each step from measured acceptance and costs)")
-    parser.add_argument("--max-draft-tokens", type=_positive_int, default=8, metavar="K",
-                        help="upper bound of the adaptive number of draft tokens")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="medusa-spec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("demo", help="offline check on a tiny random model")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--tree", type=_tree_arg, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    _add_decoding_options(p)
+    _add_seed_option(p)
     p.set_defaults(func=demo)
 
     p = commands.add_parser("generate", help="generate text with Medusa heads")
     p.add_argument("prompt")
     _add_model_options(p)
-    p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
-    _add_generation_options(p)
+    _add_decoding_options(p)
+    _add_sampling_options(p)
     _add_proposer_options(p)
+    p.add_argument("--documents", nargs="+", default=None, metavar="FILE",
+                   help="text files whose tokens prompt lookup also searches (with --lookup)")
+    p.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
+                   help="draft tokens per step (default: chosen each step from measured acceptance and costs)")
+    p.add_argument("--max-draft-tokens", type=_positive_int, default=8, metavar="K",
+                   help="upper bound of the adaptive number of draft tokens")
+    p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
     p.set_defaults(func=generate)
 
     p = commands.add_parser("chat", help="multi-turn chat with Medusa heads (empty line quits)")
     _add_model_options(p)
+    _add_decoding_options(p)
+    _add_sampling_options(p)
     p.add_argument("--system", default=None, help="system message")
-    _add_generation_options(p)
     p.set_defaults(func=chat)
 
     p = commands.add_parser("bench", help="compare decoding methods on evaluation prompts")
     _add_model_options(p)
+    _add_decoding_options(p)
+    _add_proposer_options(p)
+    _add_seed_option(p)
     p.add_argument("--prompts", default=str(bench.MT_BENCH),
                    help="MT-bench-shaped JSONL, first turns are used (default: MT-bench's 80 questions, shipped)")
     p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="only the first N prompts (after --per-category), for a quick run")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--tree", type=_tree_arg, default="auto",
-                   help="JSON rank paths, or 'auto' (fastest for this machine and the heads' accuracies)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--methods", nargs="+", choices=bench.METHODS, default=None,
                    help="methods to compare (default: every method that needs no extra model, and draft_model "
                         "with --draft-model)")
-    p.add_argument("--lookup", type=_positive_int, default=bench.LOOKUP_TOKENS, metavar="N",
-                   help="lookup chain length of the lookup and medusa_lookup methods")
-    p.add_argument("--self-draft-layers", type=_positive_int, default=None, metavar="N",
-                   help="layers of the self_draft method's draft (default: half the model's)")
-    p.add_argument("--draft-model", default=None, metavar="DIR", help="draft model of the draft_model method")
     p.set_defaults(func=run_bench)
 
     add_train_commands(commands)

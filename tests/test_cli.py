@@ -1,24 +1,35 @@
 """The command line on a tiny model saved to disk with a word-level tokenizer (offline)."""
 
+import argparse
+import copy
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from medusa_spec.cli import main
+from medusa_spec.cli import build_parser, main
+from medusa_spec.inputs import resolve_sampling
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
+def save_tiny_model(path, **generation_config):
+    """A tiny Llama and a word-level tokenizer in `path`; `generation_config` settings saved with the model."""
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w3", pad_token="w0", bos_token="w1",
                                         eos_token="w2")
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(path)
-    tiny_model("llama").save_pretrained(path)
+    model = tiny_model("llama")
+    for key, value in generation_config.items():
+        setattr(model.generation_config, key, value)
+    model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def test_demo_reports_identical_output(capsys):
@@ -58,6 +69,11 @@ def test_bad_tree_is_a_clean_error(model_dir, capsys):
     assert "no parent [0]" in capsys.readouterr().err
 
 
+def test_bench_refuses_lookup_methods_without_a_chain(model_dir, capsys):
+    assert main(["bench", "--model", str(model_dir), "--lookup", "0"]) == 2
+    assert "--lookup 0 leaves the lookup and medusa_lookup methods no chain" in capsys.readouterr().err
+
+
 def test_bench_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     import json
 
@@ -76,3 +92,66 @@ def test_bench_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     assert summary["overall"]["hf_greedy"]["speedup"] == 1.0
     assert "| overall | medusa_greedy |" in (out / "bench.md").read_text()
     assert (out / "bench.png").stat().st_size > 1000
+
+
+def test_options_shared_by_subcommands_are_defined_once():
+    # argparse keeps a parser's subcommands and options only in private attributes.
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    seen = {}
+    for name in ("demo", "generate", "chat", "bench", "convert"):  # cli.py's own; train/ defines its commands
+        for action in commands[name]._actions:
+            for flag in action.option_strings:
+                seen.setdefault(flag, []).append((name, type(action), action.type, action.default, action.help,
+                                                  action.choices, action.nargs, action.metavar))
+    for flag, definitions in seen.items():
+        assert all(d[1:] == definitions[0][1:] for d in definitions), \
+            f"{flag} differs between {[d[0] for d in definitions]}"
+    assert {name for name, *_ in seen["--max-new-tokens"]} == {"demo", "generate", "chat", "bench"}
+
+
+@pytest.mark.parametrize("proposer", [["--lookup", "0"], []], ids=["heads", "heads+lookup"])
+def test_sampling_follows_the_models_generation_config_unless_a_flag_is_given(tmp_path, monkeypatch, capsys,
+                                                                                   proposer):
+    import medusa_spec.cli
+    from medusa_spec import MedusaModel
+
+    path = save_tiny_model(tmp_path, do_sample=True, temperature=0.5, top_k=7)
+    calls, generate, generate_with_lookup = [], MedusaModel.generate, medusa_spec.cli.generate_with_lookup
+
+    def record(mm, kwargs):
+        given = {name: kwargs.get(name) for name in ("do_sample", "temperature", "top_k", "top_p")}
+        sampling = resolve_sampling(mm.base_model, **given)
+        calls.append((sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p))
+
+    def recording_generate(self, input_ids, **kwargs):
+        record(self, kwargs)
+        return generate(self, input_ids, **kwargs)
+
+    def recording_generate_with_lookup(mm, input_ids, **kwargs):
+        record(mm, kwargs)
+        return generate_with_lookup(mm, input_ids, **kwargs)
+
+    monkeypatch.setattr(MedusaModel, "generate", recording_generate)
+    monkeypatch.setattr(medusa_spec.cli, "generate_with_lookup", recording_generate_with_lookup)
+    command = ["generate", "w5 w9 w11", "--model", str(path), "--max-new-tokens", "4", "--tree", "off", *proposer]
+    assert main(command) == 0
+    assert calls == [(True, 0.5, 7, 1.0)]  # as transformers' generate would sample for this model
+    assert main([*command, "--no-do-sample"]) == 0 and calls[-1][0] is False
+    assert main([*command, "--temperature", "0.9", "--top-k", "0"]) == 0 and calls[-1] == (True, 0.9, 0, 1.0)
+    capsys.readouterr()
+    # --compare: transformers' generate samples as the model says too (it takes an explicit None as a setting, so
+    # none may be passed), and the outputs are not claimed identical.
+    plain_calls, plain_generate = [], LlamaForCausalLM.generate
+
+    def recording_plain_generate(self, *args, **kwargs):
+        effective = copy.deepcopy(self.generation_config)
+        effective.update(**{name: kwargs[name] for name in ("do_sample", "temperature", "top_k", "top_p")
+                            if name in kwargs})
+        plain_calls.append((effective.do_sample, effective.temperature, effective.top_k))
+        return plain_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "generate", recording_plain_generate)
+    assert main([*command, "--compare"]) == 0
+    assert plain_calls[-1] == (True, 0.5, 7)
+    err = capsys.readouterr().err
+    assert "speed-up" in err and "identical" not in err
