@@ -22,7 +22,7 @@ from .base import inspect_base_model, model_device_dtype
 from .inputs import resolve_sampling, special_tokens
 from .kv_cache import new_cache
 from .loop import decode
-from .output import GenerateOutput
+from .output import GenerateOutput, GenerationStats
 from .propose import Candidates, Prompt, Proposer, StepResult
 from .slots import prefill
 from .tree import Tree, chain_tree
@@ -118,7 +118,8 @@ def _check_draft_lengths(num_draft_tokens, max_draft_tokens) -> None:
         raise ValueError(f"num_draft_tokens must be an integer >= 1 (draft tokens per step), or None to choose it "
                          f"each step, got {num_draft_tokens!r}")
     if not positive_int(max_draft_tokens):
-        raise ValueError(f"max_draft_tokens must be an integer >= 1 (the most draft tokens per step), got {max_draft_tokens!r}")
+        raise ValueError(f"max_draft_tokens must be an integer >= 1 (the most draft tokens per step), "
+                         f"got {max_draft_tokens!r}")
 
 
 class DraftModelProposer(Proposer):
@@ -206,7 +207,7 @@ class DraftModelProposer(Proposer):
             self.draft_length = choose_draft_length(alpha, self.draft_time / self.draft_forwards,
                                                     self.verify_time / len(self.draft_lengths), self.max_draft_tokens)
 
-    def finish(self, stats) -> None:
+    def finish(self, stats: GenerationStats) -> None:
         stats.draft_lengths = self.draft_lengths
         if self.draft_lengths:
             stats.acceptance_rate = self.accepted / max(self.accepted + self.rejected, 1)
@@ -215,8 +216,9 @@ class DraftModelProposer(Proposer):
 
 
 def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, do_sample: bool | None = None,
-                        temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                        attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
+                        do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                        top_p: float | None = None,
                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                         num_draft_tokens: int | None = None, max_draft_tokens: int = 8,
                         streamer=None) -> GenerateOutput:

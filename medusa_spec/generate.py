@@ -44,8 +44,9 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
 
 def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          max_new_tokens: int = 128, do_sample: bool | None = None, temperature: float | None = None,
-                         top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                         pad_token_id: int | None = None, lookup_tokens: int = 10, documents=None, tree=None,
+                         top_k: int | None = None, top_p: float | None = None,
+                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                         lookup_tokens: int = 10, documents=None, tree=None,
                          streamer=None) -> GenerateOutput:
     """Prompt-lookup speculation through this library's verifier, lossless like the rest: each step also
     checks a chain of `lookup_tokens` candidates copied from where the text's last n-gram (n = 3 down to 1)
@@ -60,10 +61,11 @@ def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_ma
     if isinstance(model, MedusaModel):
         base_model, spec, heads, tree = model.base_model, model.spec, model.heads, model.tree(tree)
     elif tree is not None:
-        raise ValueError("tree needs Medusa heads: pass a MedusaModel (MedusaModel.from_pretrained(base_model, heads_dir))")
+        raise ValueError("tree needs Medusa heads: pass a MedusaModel "
+                         "(MedusaModel.from_pretrained(base_model, heads_dir))")
     else:
         base_model, spec, heads, tree = model, inspect_base_model(model), None, build_tree([])
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
     return generate(base_model, spec, heads, tree, input_ids, attention_mask, max_new_tokens,
-                    resolve_sampling(base_model, do_sample, temperature, top_k, top_p), eos, pad, streamer, lookup_tokens,
-                    documents)
+                    resolve_sampling(base_model, do_sample, temperature, top_k, top_p), eos, pad, streamer,
+                    lookup_tokens, documents)

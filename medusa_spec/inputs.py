@@ -12,18 +12,21 @@ from .base import model_device_dtype
 
 def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer):
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length] (e.g. tokenizer(..., return_tensors='pt').input_ids)")
+        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length] "
+                         "(e.g. tokenizer(..., return_tensors='pt').input_ids)")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one prompt token per row")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(input_ids.shape)}")
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
+                             f"{tuple(input_ids.shape)}")
         if not bool((attention_mask.sum(-1) > 0).all()):
             raise ValueError("a row of attention_mask is all padding: every prompt needs at least one token")
         if not bool(attention_mask[:, -1].bool().all()):
-            raise ValueError("prompts must be left-padded (attention_mask[:, -1] must be 1): set tokenizer.padding_side = 'left'")
+            raise ValueError("prompts must be left-padded (attention_mask[:, -1] must be 1): "
+                             "set tokenizer.padding_side = 'left'")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer works with one prompt (batch size 1), as in transformers")
 
@@ -52,10 +55,10 @@ def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, to
         for name, neutral in UNSUPPORTED_WARPERS:
             value = getattr(gen_config, name, None)
             if value is not None and value != neutral:
-                raise ValueError(f"the base model's generation_config sets {name}={value!r}, which transformers applies "
-                                 f"when sampling and medusa_spec does not (it samples with temperature, top_k and "
-                                 f"top_p only); set base_model.generation_config.{name} = {neutral!r} to sample "
-                                 f"without it")
+                raise ValueError(f"the base model's generation_config sets {name}={value!r}, which transformers "
+                                 f"applies when sampling and medusa_spec does not (it samples with temperature, "
+                                 f"top_k and top_p only); set base_model.generation_config.{name} = {neutral!r} to "
+                                 f"sample without it")
     return Sampling(bool(resolved["do_sample"]), resolved["temperature"], resolved["top_k"], resolved["top_p"])
 
 

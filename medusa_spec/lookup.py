@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .output import GenerationStats
 from .propose import Candidates, Prompt, Proposer, StepResult
 from .tree import Tree
 
@@ -34,8 +35,8 @@ def check_documents(documents, vocab_size: int) -> list[list[int]]:
     for i, document in enumerate(documents):
         if torch.is_tensor(document):
             if document.dim() != 1 or document.dtype.is_floating_point or document.dtype == torch.bool:
-                raise ValueError(f"documents[{i}] is a tensor of shape {tuple(document.shape)} and dtype {document.dtype}; "
-                                 f"pass a 1-D integer tensor or a list of ints ({fix})")
+                raise ValueError(f"documents[{i}] is a tensor of shape {tuple(document.shape)} and dtype "
+                                 f"{document.dtype}; pass a 1-D integer tensor or a list of ints ({fix})")
             document = document.tolist()
         if isinstance(document, (str, bytes)) or not isinstance(document, (list, tuple)):
             raise ValueError(f"documents[{i}] is a {type(document).__name__}, not a list of token ids; {fix}")
@@ -44,8 +45,8 @@ def check_documents(documents, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"documents[{i}] holds {not_ids[0]!r}, not a token id; {fix}")
         bad = [t for t in document if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"documents[{i}] holds token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size}); "
-                             f"tokenize the documents with the model's own tokenizer")
+            raise ValueError(f"documents[{i}] holds token ids {bad[:5]} outside the model's vocabulary "
+                             f"[0, {vocab_size}); tokenize the documents with the model's own tokenizer")
         checked.append(list(document))
     return checked
 
@@ -132,7 +133,8 @@ class PromptLookup:
         it equals the base model's own token, and a row with no match keeps its chain out of reach."""
         chains = [lookup_chain(index, self.documents, self.chain_length) for index in self.rows]
         length = max(len(chain) for chain in chains)
-        padded = [chain + [(chain or index.tokens)[-1]] * (length - len(chain)) for chain, index in zip(chains, self.rows)]
+        padded = [chain + [(chain or index.tokens)[-1]] * (length - len(chain))
+                  for chain, index in zip(chains, self.rows)]
         return (torch.tensor(padded, dtype=torch.long, device=device),
                 torch.tensor([bool(chain) for chain in chains], dtype=torch.bool, device=device))
 
@@ -219,6 +221,6 @@ class WithLookup(Proposer):
         self.accepted += (step.accept_length * chain_won).sum()
         self.lookup.extend(step.host.emitted)
 
-    def finish(self, stats) -> None:
+    def finish(self, stats: GenerationStats) -> None:
         self.proposer.finish(stats)
         stats.lookup_accepted = int(self.accepted)

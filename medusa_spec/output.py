@@ -60,7 +60,8 @@ class SequenceWriter:
         self.max_new_tokens = max_new_tokens
         self.eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)
         # One spare column takes the writes of tokens that are not emitted.
-        self.sequences = torch.full((batch, self.prompt_length + max_new_tokens + 1), pad, dtype=torch.long, device=device)
+        self.sequences = torch.full((batch, self.prompt_length + max_new_tokens + 1), pad, dtype=torch.long,
+                                    device=device)
         self.sequences[:, : self.prompt_length] = input_ids
         self.n_generated = torch.zeros(batch, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .output import GenerationStats
 from .tree import MedusaTree, Tree, chain_tree
 
 
@@ -99,7 +100,7 @@ class Proposer:
     def update(self, step: StepResult) -> None:
         """After each verify pass."""
 
-    def finish(self, stats) -> None:
+    def finish(self, stats: GenerationStats) -> None:
         """Add the proposer's own figures to the GenerationStats."""
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from .base import BaseSpec, model_device_dtype
 from .kv_cache import check_cache, keep_accepted
@@ -23,7 +24,9 @@ def last_position(model: nn.Module, attention_mask: torch.Tensor, max_new_tokens
     """The highest position `model` embeds (config.max_position_embeddings - 1; None where it declares no limit),
     after checking that the longest prompt and max_new_tokens fit below it."""
     config = getattr(model, "config", None)
-    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) if config is not None else None
+    if config is None:
+        return None
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
     if not limit:
         return None
     longest = int(attention_mask.sum(-1).max())
@@ -51,14 +54,15 @@ class Slots:
     """One model's cache and its slots: valid [B, S] bool, pos [B, S] long; next_pos [B], the position of
     each row's next token (the root's); `past` slots are committed, the rest are the block being verified."""
 
-    cache: object
+    cache: DynamicCache
     valid: torch.Tensor
     pos: torch.Tensor
     next_pos: torch.Tensor
     max_position: int | None
     past: int
 
-    def verify_inputs(self, offsets: torch.Tensor, valid: torch.Tensor | None = None):
+    def verify_inputs(self, offsets: torch.Tensor,
+                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Append a block of N slots at next_pos + offsets [N] (a tree's depths; valid [B, N], default all)
         and return (q_pos [B, N], kv_valid [B, S + N], kv_pos [B, S + N]) for forward_block. Several calls
         may build one block (a draft model feeds its chain one token at a time) until commit."""
@@ -84,8 +88,8 @@ class Slots:
         self.next_pos = self.next_pos + advance
 
 
-def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache,
-            max_position: int | None = None):
+def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            cache: DynamicCache, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Slots]:
     """The prompt as a chain into `cache`: returns (last logits [B, 1, V], final hidden states [B, S, H], Slots);
     padding slots are invalid and positions count only real tokens.
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
+from typing import TypeVar
 
 import torch
+
+TreeT = TypeVar("TreeT", bound="Tree")  # Tree.to returns the tree's own class (a MedusaTree stays one)
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class Tree:
     def max_depth(self) -> int:
         return len(self.node_paths[0]) - 1
 
-    def to(self, device: torch.device | str):
+    def to(self: TreeT, device: torch.device | str) -> TreeT:
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                             if torch.is_tensor(getattr(self, f.name))})
 
@@ -83,13 +87,15 @@ def chain_tree(length: int) -> Tree:
     return Tree(depth, parent, tree_mask, torch.minimum(depth[None, :], depth[:, None]))
 
 
-def validate_choices(choices, num_heads: int | None = None, top_k: int | None = None) -> list[tuple[int, ...]]:
+def validate_choices(choices: Sequence[Sequence[int]], num_heads: int | None = None,
+                     top_k: int | None = None) -> list[tuple[int, ...]]:
     """Check a tree given as rank paths and return it sorted by (depth, path); raises ValueError."""
     if not isinstance(choices, (list, tuple)):
         raise ValueError(f"tree must be a list of rank paths such as [[0], [1], [0, 0]], got {type(choices).__name__}")
     paths = []
     for path in choices:
-        if not isinstance(path, (list, tuple)) or not path or not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+        rank_list = isinstance(path, (list, tuple)) and bool(path)
+        if not rank_list or not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
             raise ValueError(f"tree: each entry must be a non-empty list of integer ranks, got {path!r}")
         if any(r < 0 for r in path):
             raise ValueError(f"tree: ranks must be >= 0, got {list(path)}")
@@ -103,14 +109,15 @@ def validate_choices(choices, num_heads: int | None = None, top_k: int | None = 
         seen.add(path)
     for path in paths:
         if len(path) > 1 and path[:-1] not in seen:
-            raise ValueError(f"tree: path {list(path)} has no parent {list(path[:-1])}; every prefix of a path must be in the tree")
+            raise ValueError(f"tree: path {list(path)} has no parent {list(path[:-1])}; "
+                             f"every prefix of a path must be in the tree")
         if num_heads is not None and len(path) > num_heads:
             raise ValueError(f"tree: path {list(path)} is {len(path)} deep but there are only {num_heads} heads; "
                              f"use paths of length <= {num_heads}")
     return sorted(paths, key=lambda p: (len(p), p))
 
 
-def build_tree(choices, num_heads: int | None = None) -> MedusaTree:
+def build_tree(choices: Sequence[Sequence[int]], num_heads: int | None = None) -> MedusaTree:
     """Rank paths -> MedusaTree (on CPU; move it with .to(device) once)."""
     paths = validate_choices(choices, num_heads)
     index = {(): 0} | {path: i + 1 for i, path in enumerate(paths)}
@@ -136,7 +143,7 @@ def build_tree(choices, num_heads: int | None = None) -> MedusaTree:
     return MedusaTree(depth, parent, tree_mask, node_paths, tuple(paths), head, rank)
 
 
-def grow_tree(rank_accuracy, num_nodes: int) -> list[list[int]]:
+def grow_tree(rank_accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[list[int]]:
     """Greedy sparse tree of `num_nodes` nodes (root included) maximising expected accepted length.
 
     rank_accuracy[k][r] is the probability that head k's rank-r candidate is the right token
@@ -168,5 +175,6 @@ DEFAULT_TREE_SIZES = (8, 16, 32, 64)
 
 def default_tree(num_heads: int, num_nodes: int = 16) -> list[list[int]]:
     """A built-in tree of about `num_nodes` nodes (root included) for `num_heads` heads."""
-    prior = [[_PRIOR_TOP1[min(k, len(_PRIOR_TOP1) - 1)] * decay for decay in _PRIOR_RANK_DECAY] for k in range(num_heads)]
+    prior = [[_PRIOR_TOP1[min(k, len(_PRIOR_TOP1) - 1)] * decay for decay in _PRIOR_RANK_DECAY]
+             for k in range(num_heads)]
     return grow_tree(prior, num_nodes)
