@@ -28,11 +28,13 @@ def test_choose_tree_trades_acceptance_against_measured_latency():
 
 
 def test_auto_tree_measures_this_machine():
-    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, metrics={"eval": {"rank_accuracy": ACCURACY}}))
+    mm = MedusaModel.from_base(tiny_model("llama"),
+                               MedusaConfig(num_heads=2, metrics={"eval": {"rank_accuracy": ACCURACY}}))
     tree, table = mm.auto_tree(context=32)
     assert all(row["step_ms"] > 0 for row in table)
     assert tree in [row["tree"] for row in table]
-    assert mm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, eos_token_id=[], tree=tree).stats.new_tokens == [5]
+    out = mm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, eos_token_id=[], tree=tree)
+    assert out.stats.new_tokens == [5]
     with pytest.raises(ValueError, match="no measured rank accuracies"):
         MedusaModel.from_base(tiny_model("llama")).auto_tree()
 
@@ -42,7 +44,8 @@ def test_auto_tree_counts_the_context_layers_step_in_the_drafting_cost(monkeypat
                                                                  metrics={"eval": {"rank_accuracy": ACCURACY}}))
     steps = []
     extend = ContextLayer.extend
-    monkeypatch.setattr(ContextLayer, "extend", lambda self, cache, *args: steps.append(cache) or extend(self, cache, *args))
+    monkeypatch.setattr(ContextLayer, "extend",
+                        lambda self, cache, *args: steps.append(cache) or extend(self, cache, *args))
     _, table = mm.auto_tree(context=32)
     # Each tree's proposer takes the prompt (no cache yet); every timed step then extends the prompt's 32 slots.
     timed = [cache for cache in steps if cache is not None]

@@ -192,7 +192,8 @@ def test_token_map_exports_to_vllm_as_truncated_vocabulary(tmp_path, share_lm_he
 def test_formats_without_dependent_heads_or_token_maps_refuse_them(tmp_path):
     model = tiny_model("llama")
     random_heads(model, num_heads=2, head_type="dependent").save_heads(tmp_path / "dep")
-    with pytest.raises(ValueError, match="holds plain Medusa heads only, not dependent heads; keep them in medusa_spec"):
+    with pytest.raises(ValueError,
+                       match="holds plain Medusa heads only, not dependent heads; keep them in medusa_spec"):
         convert(tmp_path / "dep", tmp_path / "vllm", to="vllm", base_model=model)
     random_heads(model, num_heads=2, draft_vocab_size=10).save_heads(tmp_path / "map")
     with pytest.raises(ValueError, match=r"has no reduced draft vocabulary \(token_map\); export with --to vllm"):
@@ -231,7 +232,8 @@ def test_out_of_range_token_map_is_refused_on_load(tmp_path):
 # --- the draft vocabulary -------------------------------------------------------------------------------------------
 
 def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
-    rows = [[Example([1, 5, 5, 7, 7, 7, 2], [False, True, True, True, True, True, False])], [Example([7, 9], [True, True])]]
+    rows = [[Example([1, 5, 5, 7, 7, 7, 2], [False, True, True, True, True, True, False])],
+            [Example([7, 9], [True, True])]]
     counts = answer_token_counts(rows, vocab_size=12)
     assert counts.tolist() == [0, 0, 0, 0, 0, 2, 0, 4, 0, 1, 0, 0]  # prompt tokens 1 and 2 are not counted
     token_map = frequent_tokens(counts, 3)

@@ -202,7 +202,8 @@ def test_transformers_text_streamer_works(capsys):
 
     model = tiny_model("llama")
     ids = prompt(seed=12)
-    out = medusa(model).generate(ids, max_new_tokens=6, eos_token_id=[], streamer=TextStreamer(Digits(), skip_prompt=True))
+    streamer = TextStreamer(Digits(), skip_prompt=True)
+    out = medusa(model).generate(ids, max_new_tokens=6, eos_token_id=[], streamer=streamer)
     printed = capsys.readouterr().out.split()
     assert printed == [str(t) for t in out.sequences[0, ids.shape[1]:].tolist()]
 
@@ -311,9 +312,11 @@ def test_prefill_keeps_only_the_final_hidden_states(arch):
     model = tiny_model(arch)
     ids = prompt(40, seed=15)
     asked = []  # query length of every forward pass that returned all layers' hidden states
-    handle = model.register_forward_hook(
-        lambda module, args, kwargs, output: asked.append(kwargs["input_ids"].shape[1]) if output.hidden_states else None,
-        with_kwargs=True)
+    def record(module, args, kwargs, output):
+        if output.hidden_states:
+            asked.append(kwargs["input_ids"].shape[1])
+
+    handle = model.register_forward_hook(record, with_kwargs=True)
     try:
         out = medusa(model).generate(ids, max_new_tokens=5, eos_token_id=[], tree=TREE)
     finally:
@@ -345,7 +348,8 @@ def test_greedy_agrees_with_transformers_up_to_near_ties_on_unscaled_models(arch
         with torch.no_grad():
             logits = model(expected[b:b + 1, :t]).logits[0, -1]
         gap = float(logits[expected[b, t]] - logits[out.sequences[b, t]])
-        assert gap < TIE_TOLERANCE, f"row {b} diverges at token {t - ids.shape[1]} where transformers' choice led by {gap}"
+        assert gap < TIE_TOLERANCE, (f"row {b} diverges at token {t - ids.shape[1]} where transformers' choice "
+                                     f"led by {gap}")
         flips.append((b, t - ids.shape[1], gap))
     record_property("near_tie_flips", len(flips))
     if flips:

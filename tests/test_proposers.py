@@ -17,7 +17,7 @@ from medusa_spec.lookup import UNREACHABLE, NgramIndex, PromptLookup, add_chain,
 from medusa_spec.tree import build_tree
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
-from test_sampling import SETTINGS, chi_square_p_value, exact_joint
+from test_sampling import SETTINGS, chi_square_p_value, exact_joint, triple_counts
 from tiny_models import VOCAB, tiny_model
 
 SMALL_VOCAB, ROWS, NEW = 6, 6000, 3  # the chi-square setting of test_sampling.py
@@ -79,7 +79,8 @@ def test_draft_batch_of_mixed_lengths_with_eos_equals_per_row_generation():
     out = generate_with_draft(model, draft, ids, attention_mask=mask, max_new_tokens=25, eos_token_id=eos,
                               pad_token_id=0, num_draft_tokens=3)
     for b, row in enumerate(rows):
-        expected = reference_generate(model, row[None], max_new_tokens=25, eos_token_id=eos, pad_token_id=0)[0, len(row):]
+        expected = reference_generate(model, row[None], max_new_tokens=25, eos_token_id=eos,
+                                      pad_token_id=0)[0, len(row):]
         got = out.sequences[b, width:]
         assert torch.equal(got[: len(expected)], expected), f"row {b}"
         assert (got[len(expected):] == 0).all()
@@ -101,7 +102,8 @@ def test_choose_draft_length_follows_the_expected_speed():
     assert expected_tokens(1.0, 3) == 4
     assert choose_draft_length(0.9, draft_seconds=0.01, verify_seconds=1.0, max_draft_tokens=8) == 8  # cheap, good
     assert choose_draft_length(0.1, draft_seconds=0.2, verify_seconds=1.0, max_draft_tokens=8) == 1   # mostly wrong
-    assert choose_draft_length(0.8, draft_seconds=1.0, verify_seconds=1.0, max_draft_tokens=8) == 1   # as slow as the base
+    # As slow as the base:
+    assert choose_draft_length(0.8, draft_seconds=1.0, verify_seconds=1.0, max_draft_tokens=8) == 1
     best = choose_draft_length(0.8, draft_seconds=0.05, verify_seconds=1.0, max_draft_tokens=16)
     speed = [expected_tokens(0.8, k) / (k * 0.05 + 1.0) for k in range(1, 17)]
     assert best == 1 + speed.index(max(speed)) and 4 <= best <= 12
@@ -115,9 +117,7 @@ def sample_draft_triples(monkeypatch_rule=None, sampling=SETTINGS[0], num_draft_
     out = generate_with_draft(model, draft, start.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True,
                               temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                               eos_token_id=[], num_draft_tokens=num_draft_tokens)
-    new = out.sequences[:, start.shape[1]:]
-    counts = torch.bincount((new * torch.tensor([SMALL_VOCAB ** 2, SMALL_VOCAB, 1])).sum(-1), minlength=SMALL_VOCAB ** 3)
-    return counts.double(), exact_joint(model, start, sampling), out.stats
+    return triple_counts(out.sequences[:, start.shape[1]:]), exact_joint(model, start, sampling), out.stats
 
 
 @pytest.mark.parametrize("sampling", SETTINGS, ids=str)
@@ -266,9 +266,7 @@ def sample_lookup_triples(sampling):
     out = generate_with_lookup(mm, start.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True,
                                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                eos_token_id=[], lookup_tokens=3, tree=[[0], [1], [2], [0, 0], [1, 0]])
-    new = out.sequences[:, start.shape[1]:]
-    counts = torch.bincount((new * torch.tensor([SMALL_VOCAB ** 2, SMALL_VOCAB, 1])).sum(-1), minlength=SMALL_VOCAB ** 3)
-    return counts.double(), exact_joint(model, start, sampling), out.stats
+    return triple_counts(out.sequences[:, start.shape[1]:]), exact_joint(model, start, sampling), out.stats
 
 
 @pytest.mark.parametrize("sampling", SETTINGS[:3], ids=str)
@@ -319,7 +317,8 @@ def test_draft_with_another_vocabulary_is_refused():
 
 
 def test_self_draft_refuses_what_it_cannot_build():
-    with pytest.raises(ValueError, match="self_draft supports llama, qwen2, gemma models, not 'gpt2'.*separate draft_model"):
+    with pytest.raises(ValueError,
+                       match="self_draft supports llama, qwen2, gemma models, not 'gpt2'.*separate draft_model"):
         self_draft(tiny_model("gpt2"), 1)
     with pytest.raises(ValueError, match="num_layers must be an integer from 1 to 1"):
         self_draft(tiny_model("llama"), 2)

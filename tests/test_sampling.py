@@ -48,7 +48,8 @@ def exact_joint(model, prompt, sampling, new=NEW):
 
 def triple_counts(tokens):
     """[R, 3] token triples -> how often each occurs, [V ** 3] in the order of exact_joint's cells."""
-    return torch.bincount(tokens[:, 0] * VOCAB * VOCAB + tokens[:, 1] * VOCAB + tokens[:, 2], minlength=VOCAB ** 3).double()
+    cells = tokens[:, 0] * VOCAB * VOCAB + tokens[:, 1] * VOCAB + tokens[:, 2]
+    return torch.bincount(cells, minlength=VOCAB ** 3).double()
 
 
 def sample_triples(model, prompt, sampling, seed=0, heads=None):
@@ -198,17 +199,20 @@ def test_generation_config_top_k_1_makes_sampling_greedy():
     torch.manual_seed(0)
     with torch.no_grad():
         assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=True, eos_token_id=None), greedy)
-    assert torch.equal(mm.generate(ids, max_new_tokens=20, do_sample=True, eos_token_id=[], tree=TREE).sequences, greedy)
+    sampled = mm.generate(ids, max_new_tokens=20, do_sample=True, eos_token_id=[], tree=TREE).sequences
+    assert torch.equal(sampled, greedy)
 
 
 def test_sampling_from_the_generation_config_is_exact():
-    """Sampling set only in the generation_config (top-k 2, temperature 0.7): the chi-square against that distribution."""
+    """Sampling set only in the generation_config (top-k 2, temperature 0.7): the chi-square against that
+    distribution."""
     model, prompt = setup()
     model.generation_config.do_sample, model.generation_config.top_k = True, 2
     model.generation_config.temperature = 0.7
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
     torch.manual_seed(0)
-    new = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, eos_token_id=[], tree=TREE).sequences[:, prompt.shape[1]:]
+    out = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, eos_token_id=[], tree=TREE)
+    new = out.sequences[:, prompt.shape[1]:]
     assert chi_square_p_value(triple_counts(new), exact_joint(model, prompt, Sampling(True, 0.7, top_k=2))) > 1e-3
 
 
@@ -218,4 +222,5 @@ def test_a_sampling_warper_medusa_spec_does_not_apply_is_refused():
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
     with pytest.raises(ValueError, match="min_p=0.1.*generation_config.min_p = None"):
         mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, do_sample=True, tree=TREE)
-    assert mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, tree=TREE).sequences.shape == (1, 4)  # greedy ignores it
+    greedy = mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, tree=TREE)  # greedy ignores it
+    assert greedy.sequences.shape == (1, 4)
