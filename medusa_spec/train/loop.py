@@ -182,7 +182,6 @@ def train(cfg: TrainConfig) -> dict:
     return {**summary, "eval": metrics}
 
 
-
 def _check_backend(accelerator, batch_size: int) -> None:
     """The adapter is saved, and evaluation run, from each process's own full copy of the model, so
     parameters must not be sharded (FSDP, ZeRO-3); DDP and ZeRO-1/2 keep full copies."""
@@ -193,7 +192,6 @@ def _check_backend(accelerator, batch_size: int) -> None:
     if plugin is not None:
         # No DataLoader goes through prepare(), so DeepSpeed learns the micro-batch size here.
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch_size
-
 
 
 def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
@@ -208,14 +206,12 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
             make_rows(held_out, cfg.max_length, cfg.pack))
 
 
-
 def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Learning-rate multiplier: linear warm-up, then cosine decay to min_ratio at total_steps."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
 
 
 def batch_indices(micro_step: int, num_rows: int, batch_size: int, num_processes: int, process_index: int,
@@ -227,7 +223,6 @@ def batch_indices(micro_step: int, num_rows: int, batch_size: int, num_processes
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     start = (i * num_processes + process_index) * batch_size
     return order[start: start + batch_size].tolist()
-
 
 
 def combined_loss(out: Outputs, batch: dict, cfg: TrainConfig, heads_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
