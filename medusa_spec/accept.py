@@ -28,7 +28,8 @@ class Sampling:
         if not self.do_sample:
             return
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature!r}; use do_sample=False for greedy")
+            raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature!r}; "
+                             f"use do_sample=False for greedy")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be an integer >= 1 (0 or None: no top-k filter, as in transformers), "
                              f"got {self.top_k!r}")
@@ -36,28 +37,66 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1] (or None to disable), got {self.top_p!r}")
 
 
-def processed_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """[..., V] logits -> the distribution transformers samples from: temperature, then top-k,
-    then top-p (nucleus, keeping the smallest set with mass >= top_p; at least one token)."""
-    scores = logits.float() / sampling.temperature
+def _filter_whole_vocabulary(scores: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """transformers' top-k then top-p warpers, step for step, on [..., V] scores."""
     if sampling.top_k and sampling.top_k < scores.shape[-1]:
         kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if sampling.top_p is not None and sampling.top_p < 1:
         sorted_scores, order = scores.sort(dim=-1)
-        tail_mass = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = tail_mass <= 1 - sampling.top_p
+        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
         remove[..., -1] = False
         scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    return scores.softmax(dim=-1)
+    return scores
+
+
+def kept_scores(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores after temperature, top-k and top-p (nucleus: the smallest set with mass >= top_p, at
+    least one token), as transformers applies them, -inf where filtered out: ([..., V], None), or
+    ([..., M], their token ids [..., M]) when top-k narrows the vocabulary to a window of its 2 * top_k
+    best scores. The window is the point: top-p then sorts M scores per node instead of the whole
+    vocabulary (a sort of 49k scores at each of 8 nodes took 50-90 ms on this CPU, more than the
+    default model's verify pass). Where the window could keep other tokens than transformers' sort
+    (more than top_k scores tied with the k-th, or equal scores on both sides of the top-p cut, whose
+    order torch.sort leaves open, as in bf16 logits) the whole vocabulary is filtered instead."""
+    scores = logits.float() / sampling.temperature
+    k = sampling.top_k
+    if not k or 2 * k >= scores.shape[-1]:
+        return _filter_whole_vocabulary(scores, sampling), None
+    window, ids = scores.topk(2 * k, dim=-1)  # highest first
+    kth = window[..., k - 1 : k]
+    ambiguous = window[..., -1:] == kth  # top-k's ties may reach past the window
+    window = window.masked_fill(window < kth, float("-inf"))
+    if sampling.top_p is not None and sampling.top_p < 1:
+        ascending = window.flip(-1)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
+        remove[..., -1] = False
+        cut = remove.sum(dim=-1, keepdim=True)  # tokens removed: the lowest kept one sits at `cut`
+        last_removed = ascending.gather(-1, (cut - 1).clamp(min=0))
+        ambiguous |= (cut > 0) & last_removed.isfinite() & (last_removed == ascending.gather(-1, cut))
+        window = window.masked_fill(remove.flip(-1), float("-inf"))
+    if bool(ambiguous.any()):  # a host sync; on CPU free, on GPU cheap beside the sort it saves
+        return _filter_whole_vocabulary(scores, sampling), None
+    return window, ids
+
+
+def processed_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """[..., V] logits -> the distribution transformers samples from (see kept_scores)."""
+    scores, ids = kept_scores(logits, sampling)
+    probs = scores.softmax(dim=-1)
+    if ids is None:
+        return probs
+    return torch.zeros(logits.shape, dtype=probs.dtype, device=probs.device).scatter_(-1, ids, probs)
 
 
 def draw_targets(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """The base model's next token at every node: logits [B, N, V] -> tokens [B, N]."""
+    """The base model's next token at every node: logits [B, N, V] -> tokens [B, N]. Sampling draws
+    inside top-k's window where there is one: the same distribution, without a pass over V."""
     if not sampling.do_sample:
         return logits.argmax(dim=-1)
-    probs = processed_probs(logits, sampling)
-    return torch.multinomial(probs.flatten(0, -2), 1).view(probs.shape[:-1])
+    scores, ids = kept_scores(logits, sampling)
+    drawn = torch.multinomial(scores.softmax(dim=-1).flatten(0, -2), 1).view(*scores.shape[:-1], 1)
+    return (drawn if ids is None else ids.gather(-1, drawn)).squeeze(-1)
 
 
 def repeats_a_sibling(node_tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
@@ -73,7 +112,8 @@ def repeats_a_sibling(node_tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
     return ((node_tokens[:, :, None] == node_tokens[:, None, :]) & earlier_sibling).any(dim=-1)
 
 
-def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, sampling: Sampling):
+def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree,
+           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk the tree along the base model's own tokens.
 
     node_tokens [B, N]: candidates (node 0 = root, already emitted; a negative id, which no draw
@@ -93,7 +133,8 @@ def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, sampling
     return last_node, accept_length - 1, targets.gather(1, last_node[:, None])[:, 0]
 
 
-def accept_draft(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, sampling: Sampling):
+def accept_draft(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                 sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """The classic draft-model rule on a chain (THEORY.md, "The classic protocol"); names match the paper.
 
     draft_tokens [B, K], drawn from the draft model's processed distribution q = draft_probs [B, K, V]
@@ -122,7 +163,8 @@ def accept_draft(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, l
     return accept_length, torch.multinomial(residual, 1)[:, 0]
 
 
-def accept_candidates(candidates: Candidates, logits: torch.Tensor, sampling: Sampling):
+def accept_candidates(candidates: Candidates, logits: torch.Tensor,
+                      sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule the candidates call for: the classic min(1, p/q) rule where the proposer drew them from a
     distribution it reports (draft_probs, a chain), else the tree rule. Both walk a chain alike when greedy.
     logits [B, N, V] -> (last_node [B], accept_length [B], bonus [B]) as in accept."""

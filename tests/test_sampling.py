@@ -34,6 +34,46 @@ def test_processed_probs_match_transformers_warpers(sampling):
     torch.testing.assert_close(processed_probs(logits, sampling), scores.softmax(-1))
 
 
+def transformers_scores(logits, sampling):
+    scores = TemperatureLogitsWarper(sampling.temperature)(None, logits.clone())
+    if sampling.top_k:
+        scores = TopKLogitsWarper(sampling.top_k)(None, scores)
+    if sampling.top_p:
+        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+    return scores
+
+
+WINDOWED = [Sampling(True, 0.7, top_k=50, top_p=0.9), Sampling(True, 1.3, top_k=5, top_p=0.5),
+            Sampling(True, 1.0, top_k=20)]
+
+
+@pytest.mark.parametrize("ties", ["distinct", "bf16", "integers"])
+@pytest.mark.parametrize("sampling", WINDOWED, ids=str)
+def test_top_k_window_keeps_what_transformers_keeps(sampling, ties):
+    """processed_probs sorts only top-k's window of 2 * top_k candidates, not the vocabulary. On 5,000
+    tokens it keeps exactly transformers' tokens, with their probabilities, also where scores tie at
+    the top-k or top-p cut: logits rounded to bf16 (as a bf16 model's are) or to integers."""
+    logits = torch.randn(64, 5000, generator=torch.Generator().manual_seed(0)) * 3
+    logits = {"distinct": logits, "bf16": logits.bfloat16().float(), "integers": logits.round()}[ties]
+    expected = transformers_scores(logits, sampling).softmax(-1)
+    got = processed_probs(logits, sampling)
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(got, expected)
+
+
+def test_draws_inside_the_top_k_window_follow_the_processed_distribution():
+    sampling = Sampling(True, 0.8, top_k=20, top_p=0.95)
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 2
+    probs = processed_probs(logits, sampling)
+    torch.manual_seed(0)
+    drawn = draw_targets(logits.expand(1, 20000, 300), sampling)[0]
+    kept = probs > 0
+    observed = torch.bincount(drawn, minlength=300)
+    assert observed[~kept].sum() == 0
+    expected = probs[kept].double() / probs[kept].double().sum() * drawn.numel()
+    assert chisquare(observed[kept].double().numpy(), expected.numpy()).pvalue > 1e-3
+
+
 def exact_joint(model, prompt, sampling, new=NEW):
     """P(t1 .. t_new | prompt) for every token sequence, enumerated with the base model: [V] * new."""
     joint = torch.ones(())
