@@ -7,7 +7,8 @@ plus a prompt-lookup chain (medusa_lookup), the lookup chain alone (lookup), a d
 the base model's first layers with adaptive K (self_draft) and a separate draft model
 (draft_model, only when one is given). Reports tokens/s, mean tokens per step (per base-model
 pass), speed-up over the reference and, for greedy methods, the fraction of prompts whose
-output equals the reference token for token.
+output equals the reference token for token; for this library's methods, where each decoding step's time
+goes (loop.StepTimer): drafting, the verify pass, acceptance and the cache commit, in ms per step and share.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .draft import generate_with_draft, self_draft
-from .generate import generate_with_lookup
+from .loop import StepTimer
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "medusa_off", "medusa_greedy", "medusa_sample", "medusa_lookup", "lookup",
            "self_draft", "draft_model")
@@ -30,6 +31,7 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m != "draft_model")  # every metho
 GREEDY = ("hf_prompt_lookup", "medusa_off", "medusa_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model")
 REFERENCE = "hf_greedy"
 LOOKUP_TOKENS = 10  # as hf_prompt_lookup's prompt_lookup_num_tokens
+STEP_STAGES = StepTimer.STAGES[1:]  # a step's stages; prefill, once per prompt, is reported apart
 # The default prompts ship inside the package, with their licence (data/SOURCE.md), so bench runs from any install.
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_question.jsonl"
 
@@ -62,7 +64,8 @@ def encode(tokenizer, text: str) -> torch.Tensor:
 
 def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tree, drafts=None,
                lookup_tokens: int = LOOKUP_TOKENS) -> dict:
-    """One generation; returns new tokens, seconds, forward passes (None where unknown) and the sequence.
+    """One generation; returns new tokens, seconds, forward passes (None where unknown) and the sequence, and
+    for this library's methods the seconds of each decoding stage (stage_seconds) over timed_steps steps.
     drafts: {method: draft model} for the draft methods."""
     base = mm.base_model
     input_ids = input_ids.to(base.device)
@@ -76,18 +79,18 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
         new = sequence.shape[0] - input_ids.shape[1]
         return {"new_tokens": new, "seconds": seconds, "steps": new if method == REFERENCE else None,
                 "sequence": sequence.cpu()}
-    if method in ("medusa_lookup", "lookup"):
-        out = generate_with_lookup(mm if method == "medusa_lookup" else base, input_ids, max_new_tokens=max_new_tokens,
-                                   lookup_tokens=lookup_tokens, tree=tree if method == "medusa_lookup" else None)
-    elif method in DRAFT_METHODS:
-        out = generate_with_draft(base, drafts[method], input_ids, max_new_tokens=max_new_tokens)
+    timer = StepTimer()
+    if method in DRAFT_METHODS:
+        out = generate_with_draft(base, drafts[method], input_ids, max_new_tokens=max_new_tokens, timer=timer)
     else:
-        sampling = dict(do_sample=True, temperature=0.7) if method == "medusa_sample" else {}
-        out = mm.generate(input_ids, max_new_tokens=max_new_tokens, tree=[] if method == "medusa_off" else tree,
-                          **sampling)
+        # lookup is the chain alone: the root-only tree (tree=[]) with the chain, as generate_with_lookup(base).
+        options = {"medusa_off": dict(tree=[]), "medusa_sample": dict(do_sample=True, temperature=0.7),
+                   "medusa_lookup": dict(lookup_tokens=lookup_tokens),
+                   "lookup": dict(tree=[], lookup_tokens=lookup_tokens)}.get(method, {})
+        out = mm.generate(input_ids, max_new_tokens=max_new_tokens, timer=timer, **{"tree": tree, **options})
     seconds = time.perf_counter() - start
     record = {"new_tokens": out.stats.new_tokens[0], "seconds": seconds, "steps": out.stats.row_steps[0],
-              "sequence": out.sequences[0].cpu()}
+              "stage_seconds": timer.seconds, "timed_steps": timer.steps, "sequence": out.sequences[0].cpu()}
     if out.stats.acceptance_rate is not None:
         record |= {"acceptance_rate": out.stats.acceptance_rate,
                    "mean_draft_length": sum(out.stats.draft_lengths) / len(out.stats.draft_lengths)}
@@ -156,8 +159,24 @@ def summarize(records: list[dict]) -> dict:
             if "acceptance_rate" in rs[0]:
                 for name in ("acceptance_rate", "mean_draft_length"):
                     figures[name] = round(sum(r[name] for r in rs) / len(rs), 3)
+            if "stage_seconds" in rs[0]:
+                figures |= step_stages(rs)
             summary[group][method] = figures
     return summary
+
+
+def step_stages(records: list[dict]) -> dict:
+    """Where the decoding steps' time went, over `records` of one method: step_ms (the mean step) and, per
+    stage, ms_per_step and share of the step; prefill_ms, once per prompt, apart. No stages without a step."""
+    steps = sum(r["timed_steps"] for r in records)
+    figures = {"prefill_ms": round(1000 * sum(r["stage_seconds"]["prefill"] for r in records) / len(records), 2)}
+    if not steps:
+        return figures
+    seconds = {stage: sum(r["stage_seconds"][stage] for r in records) for stage in STEP_STAGES}
+    step = sum(seconds.values())
+    return figures | {"step_ms": round(1000 * step / steps, 3),
+                      "stages": {stage: {"ms_per_step": round(1000 * s / steps, 3), "share": round(s / step, 3)}
+                                 for stage, s in seconds.items()}}
 
 
 def markdown(summary: dict) -> str:
@@ -169,6 +188,17 @@ def markdown(summary: dict) -> str:
                      "-" if f["tokens_per_step"] is None else f"{f['tokens_per_step']:.2f}",
                      "-" if f["speedup"] is None else f"{f['speedup']:.2f}x",
                      f"{f['equal_to_reference']:.0%}" if "equal_to_reference" in f else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    timed = {m: f for m, f in summary.get("overall", {}).items() if "stages" in f}
+    if timed:
+        lines += ["", "Where a step's time goes (overall; ms per step and share of the step):", "",
+                  "| method | step ms | " + " | ".join(STEP_STAGES) + " | prefill ms |",
+                  "|---" * (len(STEP_STAGES) + 3) + "|"]
+        for method in sorted(timed, key=METHODS.index):
+            f = timed[method]
+            cells = [method, f"{f['step_ms']:.2f}",
+                     *(f"{f['stages'][s]['ms_per_step']:.2f} ({f['stages'][s]['share']:.0%})" for s in STEP_STAGES),
+                     f"{f['prefill_ms']:.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,7 @@ from .accept import Sampling, processed_probs
 from .base import inspect_base_model, model_device_dtype
 from .inputs import resolve_sampling, special_tokens
 from .kv_cache import new_cache
-from .loop import decode
+from .loop import StepTimer, decode
 from .output import GenerateOutput, GenerationStats
 from .propose import Candidates, Prompt, Proposer, StepResult
 from .slots import prefill
@@ -221,12 +221,12 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
                         top_p: float | None = None,
                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                         num_draft_tokens: int | None = None, max_draft_tokens: int = 8,
-                        streamer=None) -> GenerateOutput:
+                        streamer=None, timer: StepTimer | None = None) -> GenerateOutput:
     """Speculative generation with a draft model (any causal LM with the base model's vocabulary, or
     self_draft(base_model, n)); `sequences` [B, prompt + new] as transformers' generate.
 
     num_draft_tokens: K, fixed; None (default) chooses K in 1..max_draft_tokens each step from the measured
-    acceptance rate and costs. Other arguments as in MedusaModel.generate. The draft model samples from its
+    acceptance rate and costs. Other arguments (timer too) as in MedusaModel.generate. The draft model samples from its
     distribution processed like the base model's (temperature, top-k, top-p), or takes its argmax when greedy.
     """
     _check_draft_lengths(num_draft_tokens, max_draft_tokens)
@@ -234,4 +234,5 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
     sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p)
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
     proposer = DraftModelProposer(draft_model, draft_spec, sampling, num_draft_tokens, max_draft_tokens)
-    return decode(base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad, streamer)
+    return decode(base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad, streamer,
+                  timer)

@@ -10,7 +10,9 @@ everything else stays on the model's device.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,8 +28,58 @@ from .slots import last_position, prefill
 from .verify import forward_block
 
 
+class Streamer(Protocol):
+    """What `streamer` needs, as transformers' TextStreamer has: the prompt, then each step's new tokens, then end."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class StepTimer:
+    """Where decoding time goes, for `decode(..., timer=StepTimer())`: seconds per stage, summed over every
+    call it times, and `steps`, the verify passes after prefill (one per step).
+
+    Stages: prefill (the prompt and the proposer's start, once a call), propose (drafting: the proposer's
+    propose and its update after the verify pass), verify (the base model's pass over the candidates),
+    accept (acceptance, the output buffer and the step's host sync), commit (the cache keeps the accepted
+    path; streaming). Laps follow each other, so the stages add up to the time decoding took. Each lap
+    first waits for the device (CPU ops are done when they return), so a stage is charged its own work,
+    not the next one's wait; that wait removes the overlap of host and device work between stages, which
+    is why decoding without a timer takes no laps.
+    """
+
+    STAGES = ("prefill", "propose", "verify", "accept", "commit")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.steps = 0
+
+    def start(self, device: torch.device) -> None:
+        self.device = device
+        self.last = self._now()
+
+    def lap(self, stage: str) -> None:
+        """Charge the time since the last lap to `stage`."""
+        now = self._now()
+        self.seconds[stage] += now - self.last
+        self.last = now
+        self.steps += stage == "verify"
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type != "cpu":  # mps, xpu: their ops, too, return before they have run
+            getattr(torch, self.device.type).synchronize()
+        return time.perf_counter()
+
+
+def _no_lap(stage: str) -> None:
+    pass
+
+
 @contextmanager
-def eval_mode(module: nn.Module | None):
+def eval_mode(module: nn.Module | None) -> Iterator[None]:
     """`module` and all its submodules in eval mode for the block, then each in the mode it had before
     (a caller training the heads between generations keeps training them)."""
     modes = [(m, m.training) for m in module.modules()] if module is not None else []
@@ -42,8 +94,10 @@ def eval_mode(module: nn.Module | None):
 
 def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids: torch.Tensor,
            attention_mask: torch.Tensor | None, max_new_tokens: int, sampling: Sampling, eos_token_id: list[int],
-           pad_token_id: int | None, streamer=None) -> GenerateOutput:
-    """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate."""
+           pad_token_id: int | None, streamer: Streamer | None = None,
+           timer: StepTimer | None = None) -> GenerateOutput:
+    """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate.
+    `timer`: a StepTimer to charge each stage's time to (None: no laps, no extra device syncs)."""
     start = time.perf_counter()
     input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
     # Every model that sees the positions (the base, a draft model) must embed them: the lowest limit caps them.
@@ -54,6 +108,9 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
     writer = SequenceWriter(input_ids, max_new_tokens, eos_token_id, pad_token_id)
     stats = GenerationStats()
     accepted_at_depth = torch.zeros(proposer.max_depth, dtype=torch.long, device=device)
+    lap = _no_lap if timer is None else timer.lap
+    if timer is not None:
+        timer.start(device)
 
     with torch.inference_mode(), ExitStack() as modes:
         # The candidates' few rows run column-wise on CPU (see columnwise); proposers run in eval mode.
@@ -71,15 +128,18 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         done = bool(synced[0])
         stream(streamer, root[:, None], synced[1])
         proposer.start(Prompt(input_ids, attention_mask, hidden, root, max_position))
+        lap("prefill")
 
         while not done:
             # 2. Propose.
             candidates = proposer.propose(root)
             node_tokens, tree = candidates.node_tokens, candidates.tree
+            lap("propose")
             # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
             q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
             logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
                                            kv_pos)
+            lap("verify")
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
             last_node, accept_length, bonus = accept_candidates(candidates, logits, sampling)
             path = tree.node_paths[last_node]  # [B, D+1]: root, accepted nodes, then repeats
@@ -102,8 +162,10 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             stats.steps += 1
             going = ~writer.finished
             host = HostStep(accept_lengths, [bool(a) for a in synced[1 + 2 * batch: 1 + 3 * batch]], emitted)
+            lap("accept")
             proposer.update(StepResult(candidates, hidden, last_node, accept_length, path[:, :longest],
                                        new_tokens[:, :longest], active, going, host))
+            lap("propose")  # the proposer's own bookkeeping (a state, a cache, an index) is drafting work
             # 5. Commit: keep each row's accepted path in the cache (rows that accepted fewer than the longest
             # get invalid slots: sync points), then move the root forward. A finished row stays in the batch
             # but stands still: no valid slots, no new positions.
@@ -111,6 +173,7 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             slots.commit(path[:, :longest], n_kept, n_kept)
             root = bonus
             stream(streamer, new_tokens, counts[0])
+            lap("commit")
 
     if streamer is not None:
         streamer.end()

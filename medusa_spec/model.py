@@ -15,10 +15,10 @@ from .config import MedusaConfig
 from .heads import MedusaHeads
 from .inputs import resolve_sampling, special_tokens
 from .lookup import with_lookup
-from .loop import decode
+from .loop import StepTimer, Streamer, decode
 from .output import GenerateOutput
 from .propose import heads_proposer
-from .tree import build_tree, default_tree
+from .tree import MedusaTree, build_tree, default_tree
 
 
 class MedusaModel(nn.Module):
@@ -47,8 +47,8 @@ class MedusaModel(nn.Module):
                                      base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path)
         if config.tree is not None:
             build_tree(config.tree, config.num_heads)  # validate now, not at the first generate()
-        heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers, config.share_lm_head,
-                            config.head_type, config.draft_vocab_size, config.context_heads)
+        heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
+                            config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads)
         heads.init_projections_from(base_model.get_output_embeddings())
         device, dtype = model_device_dtype(base_model)
         heads = heads.to(device=device, dtype=dtype)
@@ -91,8 +91,8 @@ class MedusaModel(nn.Module):
                              "(get_peft_model(base_model, ...) before MedusaModel.from_base)")
         io.save_adapter(path, self.config, self.heads.state_dict(), lora=lora)
 
-    def tree(self, tree=None):
-        """The Tree used by generate(): given choices, else the adapter's calibrated tree, else a default."""
+    def tree(self, tree: list[list[int]] | None = None) -> MedusaTree:
+        """The MedusaTree generate() uses: given rank paths, else the adapter's calibrated tree, else a default."""
         choices = tree if tree is not None else (self.config.tree or default_tree(self.config.num_heads))
         return build_tree(choices, self.config.num_heads)
 
@@ -110,19 +110,20 @@ class MedusaModel(nn.Module):
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None,
-                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, tree=None,
-                 streamer=None, lookup_tokens: int = 0, documents=None) -> GenerateOutput:
+                 top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, tree: list[list[int]] | None = None, streamer: Streamer | None = None,
+                 lookup_tokens: int = 0, documents: list[list[int] | torch.Tensor] | None = None,
+                 timer: StepTimer | None = None) -> GenerateOutput:
         """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
 
         do_sample, temperature, top_k, top_p: as in transformers' generate, each one not given comes from the
         base model's generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0
         and top_p=1.0 turn those filters off. eos_token_id / pad_token_id default to the generation_config (pass
-        eos_token_id=[] to never stop early). `tree`: rank paths, or None for the adapter's
-        default; `[]` turns speculation off (one token per step, same loop). `lookup_tokens` > 0 also
-        verifies a chain of that many candidates copied from an earlier occurrence of the text's last
-        n-gram in the prompt, the output or `documents` (lists of token ids), in the same pass. The heads
-        run in eval mode and are left in the mode they were in.
+        eos_token_id=[] to never stop early). `tree`: rank paths, or None for the adapter's default; `[]` turns
+        speculation off (one token per step, same loop). `lookup_tokens` > 0 also verifies a chain of that
+        many candidates copied from an earlier occurrence of the text's last n-gram in the prompt, the output
+        or `documents` (lists of token ids), in the same pass. `timer`: a loop.StepTimer that adds up each
+        decoding stage's time. The heads run in eval mode and are left in the mode they were in.
         """
         sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p)
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
@@ -130,10 +131,10 @@ class MedusaModel(nn.Module):
         proposer = with_lookup(heads_proposer(self.base_model, self.heads, self.tree(tree)), lookup_tokens, documents,
                                spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
-                      streamer)
+                      streamer, timer)
 
 
-def _check_sizes(config: MedusaConfig, spec, source: str) -> None:
+def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:
     for name, expected in (("hidden_size", spec.hidden_size), ("vocab_size", spec.vocab_size)):
         got = getattr(config, name)
         if got is not None and got != expected:

@@ -1,0 +1,84 @@
+"""bench reports where a decoding step's time goes; a decode without a StepTimer takes no laps."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from medusa_spec import MedusaConfig, MedusaModel, bench, loop
+from medusa_spec.loop import StepTimer
+from tiny_models import VOCAB, tiny_model
+
+TREE = [[0], [1], [0, 0], [1, 0], [0, 1]]
+TIMED = ("medusa_off", "medusa_greedy", "medusa_sample", "medusa_lookup", "lookup", "self_draft")
+
+
+def word_tokenizer():
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w3", pad_token="w0", bos_token="w1",
+                                        eos_token="w2")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
+def test_bench_reports_each_stage_of_a_step(tmp_path):
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
+    prompts = [("a", "w5 w6 w7 w5 w6"), ("b", "w9 w10 w11 w12")]
+    methods = ("hf_greedy", *TIMED)
+    records = bench.bench(mm, word_tokenizer(), prompts, max_new_tokens=24, tree=TREE, methods=methods,
+                          drafts=bench.draft_models(mm.base_model, methods))
+    for record in records:
+        if record["method"] == "hf_greedy":
+            assert "stage_seconds" not in record  # transformers' own loop: no stages to tell
+            continue
+        stages = record["stage_seconds"]
+        assert set(stages) == set(StepTimer.STAGES) and all(s > 0 for s in stages.values()), record
+        # The laps follow each other from before prefill to the last commit: they add up to the generation's time,
+        # all but the argument checks and the proposer's set-up before decode and the output after it.
+        assert 0.75 * record["seconds"] < sum(stages.values()) <= record["seconds"], record
+        assert record["timed_steps"] == record["steps"] - 1  # every step but prefill
+
+    report = bench.write_report(records, tmp_path, meta={})
+    overall = report["summary"]["overall"]
+    assert "stages" not in overall["hf_greedy"]
+    for method in TIMED:
+        figures = overall[method]
+        stages = figures["stages"]
+        assert list(stages) == ["propose", "verify", "accept", "commit"]
+        assert sum(s["ms_per_step"] for s in stages.values()) == pytest.approx(figures["step_ms"], abs=0.01)
+        assert sum(s["share"] for s in stages.values()) == pytest.approx(1.0, abs=0.01)
+        assert figures["prefill_ms"] > 0
+    table = (tmp_path / "bench.md").read_text()
+    assert "| method | step ms | propose | verify | accept | commit | prefill ms |" in table
+    assert all(f"| {method} | " in table.split("Where a step's time goes")[1] for method in TIMED)
+
+
+def test_decoding_without_a_timer_takes_no_laps_and_gives_the_same_tokens(monkeypatch):
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6]])
+    laps = []
+    lap = StepTimer.lap
+    monkeypatch.setattr(StepTimer, "lap", lambda self, stage: laps.append(stage) or lap(self, stage))
+    synced = []
+    monkeypatch.setattr(loop.torch.cuda, "synchronize", lambda *args: synced.append(args))
+
+    plain = mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE)
+    assert laps == [] and synced == []
+    timer = StepTimer()
+    timed = mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE, timer=timer)
+    assert torch.equal(plain.sequences, timed.sequences)
+    with torch.no_grad():
+        reference = mm.base_model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(plain.sequences, reference)
+    steps = timed.stats.steps - 1
+    assert timer.steps == steps and laps == ["prefill"] + ["propose", "verify", "accept", "propose", "commit"] * steps
+    assert synced == []  # on CPU the ops are done when they return: nothing to wait for
+
+
+def test_a_timer_adds_up_over_calls():
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
+    timer = StepTimer()
+    steps = sum(mm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, eos_token_id=[], tree=TREE,
+                            timer=timer).stats.steps - 1 for _ in range(2))
+    assert timer.steps == steps and timer.seconds["prefill"] > 0
