@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,6 +21,13 @@ from .output import GenerateOutput
 from .propose import heads_proposer
 from .tree import MedusaTree, build_tree, default_tree
 
+# tree=None measures at the first generate(), on a coarser grid than auto_tree()'s defaults (14 sizes after 256 tokens,
+# fastest of 5): a verify pass costs about a decoding step, 0.1 s for SmolLM2-135M on a 2-core CPU, where those took
+# 16 s of CPU time and these 4 s. The prompt's length changes little in a verify pass of a few nodes.
+QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64)
+QUICK_CONTEXT = 64
+QUICK_REPEATS = 2
+
 
 class MedusaModel(nn.Module):
     """`base_model` (any decoder-only transformers causal LM, untouched) with `heads` on its final hidden state."""
@@ -30,6 +38,9 @@ class MedusaModel(nn.Module):
         self.base_model = base_model
         self.config = config
         self.heads = heads
+        # tree=None's measured rank paths per (device, dtype) of the base model: costs differ by orders of magnitude
+        # between them, and moving the model after a first generate() must not keep a tree timed elsewhere.
+        self._measured_trees: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
 
     @property
     def spec(self) -> BaseSpec:
@@ -92,21 +103,40 @@ class MedusaModel(nn.Module):
         io.save_adapter(path, self.config, self.heads.state_dict(), lora=lora)
 
     def tree(self, tree: list[list[int]] | None = None) -> MedusaTree:
-        """The MedusaTree generate() uses: given rank paths, else the adapter's calibrated tree, else a default."""
-        choices = tree if tree is not None else (self.config.tree or default_tree(self.config.num_heads))
-        return build_tree(choices, self.config.num_heads)
+        """The MedusaTree generate() uses: `tree`'s rank paths, or for None those of default_choices()."""
+        return build_tree(self.default_choices() if tree is None else tree, self.config.num_heads)
 
-    def auto_tree(self, context: int = 256) -> tuple[list[list[int]], list[dict]]:
-        """The tree with the most expected tokens per second on this machine: verify-pass latency measured
-        against tree size, value from the rank accuracies measured in training (metrics.eval.rank_accuracy).
-        Returns (rank paths, the table of candidates). Takes a few seconds: call once, pass the tree on."""
-        rank_accuracy = self.config.metrics.get("eval", {}).get("rank_accuracy")
+    def default_choices(self) -> list[list[int]]:
+        """The rank paths `tree=None` stands for. With rank accuracies in the adapter's metrics
+        (metrics.eval.rank_accuracy): auto_tree()'s choice among QUICK_SIZES, measured at the first call (about
+        4 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and dtype,
+        so a second call reuses it; without them, the adapter's stored tree, else default_tree(num_heads)."""
+        if not self._rank_accuracy():
+            return self.config.tree or default_tree(self.config.num_heads)
+        device, dtype = model_device_dtype(self.base_model)
+        if (device, dtype) not in self._measured_trees:
+            # The timing passes draw random tokens: a forked generator leaves the caller's seeded draws as they were.
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self._measured_trees[device, dtype] = self.auto_tree(QUICK_CONTEXT, QUICK_SIZES, QUICK_REPEATS)[0]
+        return self._measured_trees[device, dtype]
+
+    def auto_tree(self, context: int = 256, sizes: Sequence[int] = autotree.CANDIDATE_SIZES,
+                  repeats: int = 5) -> tuple[list[list[int]], list[dict]]:
+        """The tree with the most expected tokens per second on this machine: verify-pass and drafting latency
+        measured for trees of `sizes` nodes (the fastest of `repeats` runs), value from the rank accuracies
+        measured in training (metrics.eval.rank_accuracy). Returns (rank paths, the table of candidates).
+        Measures at each call; generate(tree=None) measures a coarser grid once and keeps the choice."""
+        rank_accuracy = self._rank_accuracy()
         if not rank_accuracy:
             raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
                              "with an eval split or run `medusa-spec tree --model ... --data ...` first")
-        rank_accuracy = rank_accuracy[: self.config.num_heads]
-        latency, head_seconds = autotree.measure_step_costs(self, context=context, rank_accuracy=rank_accuracy)
-        return autotree.choose_tree(rank_accuracy, latency, head_seconds)
+        latency, draft_seconds = autotree.measure_step_costs(self, sizes=sizes, context=context, repeats=repeats,
+                                                             rank_accuracy=rank_accuracy)
+        return autotree.choose_tree(rank_accuracy, latency, draft_seconds)
+
+    def _rank_accuracy(self) -> list[list[float]] | None:
+        rank_accuracy = self.config.metrics.get("eval", {}).get("rank_accuracy")
+        return rank_accuracy[: self.config.num_heads] if rank_accuracy else None
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
@@ -119,11 +149,14 @@ class MedusaModel(nn.Module):
         do_sample, temperature, top_k, top_p: as in transformers' generate, each one not given comes from the
         base model's generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0
         and top_p=1.0 turn those filters off. eos_token_id / pad_token_id default to the generation_config (pass
-        eos_token_id=[] to never stop early). `tree`: rank paths, or None for the adapter's default; `[]` turns
-        speculation off (one token per step, same loop). `lookup_tokens` > 0 also verifies a chain of that
-        many candidates copied from an earlier occurrence of the text's last n-gram in the prompt, the output
-        or `documents` (lists of token ids), in the same pass. `timer`: a loop.StepTimer that adds up each
-        decoding stage's time. The heads run in eval mode and are left in the mode they were in.
+        eos_token_id=[] to never stop early). `tree`: rank paths; None (default) picks one, see default_choices:
+        with the adapter's rank accuracies, the tree with the most expected tokens per second for step costs
+        measured at the first call on this machine (a few seconds; then kept on this MedusaModel), else the
+        adapter's stored tree; `[]` turns speculation off (one token per step, same loop). `lookup_tokens` > 0
+        also verifies a chain of that many candidates copied from an earlier occurrence of the text's last
+        n-gram in the prompt, the output or `documents` (lists of token ids), in the same pass. `timer`: a
+        loop.StepTimer that adds up each decoding stage's time. The heads run in eval mode and are left in
+        the mode they were in.
         """
         sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p)
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)

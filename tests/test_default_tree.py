@@ -1,0 +1,103 @@
+"""generate(tree=None) picks the tree with the most expected tokens per second, measured once per MedusaModel."""
+
+import pytest
+import torch
+
+from medusa_spec import MedusaConfig, MedusaModel, autotree, model
+from tiny_models import tiny_model
+
+ACCURACY = [[0.8, 0.1], [0.6, 0.1]]
+STORED = [[1]]  # the adapter's own tree: what tree=None used before it measured, and still does without accuracies
+
+
+def paths(choices):
+    """Rank paths in one order (a MedusaTree sorts them by depth)."""
+    return sorted(tuple(path) for path in choices)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Counts measure_step_costs calls, records choose_tree's choices and the tree each generate() drafts on."""
+    calls = {"measure": 0, "chosen": [], "drafted": []}
+    measure, choose, proposer = autotree.measure_step_costs, autotree.choose_tree, model.heads_proposer
+
+    def counting_measure(*args, **kwargs):
+        calls["measure"] += 1
+        return measure(*args, **kwargs)
+
+    def recording_choose(*args, **kwargs):
+        tree, table = choose(*args, **kwargs)
+        calls["chosen"].append(tree)
+        return tree, table
+
+    def recording_proposer(base_model, heads, tree):
+        calls["drafted"].append(paths(tree.choices))
+        return proposer(base_model, heads, tree)
+
+    monkeypatch.setattr(autotree, "measure_step_costs", counting_measure)
+    monkeypatch.setattr(autotree, "choose_tree", recording_choose)
+    monkeypatch.setattr(model, "heads_proposer", recording_proposer)
+    return calls
+
+
+def with_accuracies(**config):
+    return MedusaModel.from_base(tiny_model("llama"), MedusaConfig(
+        num_heads=2, tree=STORED, metrics={"eval": {"rank_accuracy": ACCURACY}}, **config))
+
+
+def test_tree_none_is_the_measured_tree_measured_once(measured):
+    mm = with_accuracies()
+    attributes = set(vars(mm.base_model))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        reference = mm.base_model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for _ in range(2):
+        out = mm.generate(ids, max_new_tokens=16, eos_token_id=[])
+        assert torch.equal(out.sequences, reference)
+    assert measured["measure"] == 1  # the second call reuses the choice
+    (chosen,) = measured["chosen"]
+    assert measured["drafted"] == [paths(chosen)] * 2 and mm.default_choices() == chosen
+    assert measured["measure"] == 1
+    # The measured tree is this MedusaModel's: nothing is set on the base model; a new MedusaModel measures again.
+    assert set(vars(mm.base_model)) == attributes
+    with_accuracies().default_choices()
+    assert measured["measure"] == 2
+
+
+def test_the_choice_follows_the_measured_costs(monkeypatch, measured):
+    """With every verify pass and drafting step costing the same, the largest tree the accuracies allow wins."""
+    flat = {n: 0.01 for n in autotree.CANDIDATE_SIZES}
+    monkeypatch.setattr(autotree, "measure_step_costs", lambda *args, **kwargs: (flat, dict.fromkeys(flat, 0.0)))
+    mm = with_accuracies()
+    mm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+    largest, _ = autotree.choose_tree(ACCURACY, flat, dict.fromkeys(flat, 0.0))
+    assert measured["drafted"] == [paths(largest)] and len(largest) == 5  # 6 nodes: CANDIDATE_SIZES' most for 2 x 2
+
+
+def test_a_model_moved_to_another_dtype_measures_again(measured):
+    mm = with_accuracies()
+    first = mm.default_choices()
+    mm.to(torch.float64)
+    assert mm.default_choices() == measured["chosen"][-1] and measured["measure"] == 2
+    mm.to(torch.float32)
+    assert mm.default_choices() == first and measured["measure"] == 2  # kept per device and dtype
+
+
+def test_without_accuracies_the_stored_tree_and_no_measurement(measured):
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, tree=STORED))
+    mm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+    assert measured["measure"] == 0 and measured["drafted"] == [paths(STORED)]
+
+
+def test_measuring_leaves_seeded_sampling_as_with_the_tree_passed(measured):
+    """The timing passes draw random tokens from their own generator, so a seeded first call samples what a
+    call given the chosen tree explicitly samples."""
+    mm = with_accuracies()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.manual_seed(0)
+    first = mm.generate(ids, max_new_tokens=16, eos_token_id=[], do_sample=True, temperature=1.5)
+    assert measured["measure"] == 1
+    torch.manual_seed(0)
+    again = mm.generate(ids, max_new_tokens=16, eos_token_id=[], do_sample=True, temperature=1.5,
+                        tree=measured["chosen"][0])
+    assert torch.equal(first.sequences, again.sequences)
