@@ -22,8 +22,8 @@ from .propose import heads_proposer
 from .tree import MedusaTree, build_tree, default_tree
 
 # tree=None measures at the first generate(), on a coarser grid than auto_tree()'s defaults (14 sizes after 256 tokens,
-# fastest of 5): a verify pass costs about a decoding step, 0.1 s for SmolLM2-135M on a 2-core CPU, where those took
-# 16 s of CPU time and these 4 s. The prompt's length changes little in a verify pass of a few nodes.
+# fastest of 5): a verify pass costs about a decoding step, 67 ms for SmolLM2-135M on a 2-core CPU, where those took
+# 8.6 s and these 2.1 s (both chose 4 nodes). The prompt's length changes little in a verify pass of a few nodes.
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 QUICK_CONTEXT = 64
 QUICK_REPEATS = 2
@@ -109,7 +109,7 @@ class MedusaModel(nn.Module):
     def default_choices(self) -> list[list[int]]:
         """The rank paths `tree=None` stands for. With rank accuracies in the adapter's metrics
         (metrics.eval.rank_accuracy): auto_tree()'s choice among QUICK_SIZES, measured at the first call (about
-        4 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and dtype,
+        2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and dtype,
         so a second call reuses it; without them, the adapter's stored tree, else default_tree(num_heads)."""
         if not self._rank_accuracy():
             return self.config.tree or default_tree(self.config.num_heads)
