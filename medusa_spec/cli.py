@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -13,26 +12,12 @@ import torch
 from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
+from .flags import DTYPES, add_flag, default_device, positive_int
 from .formats import FORMATS, convert
 from .generate import generate_with_lookup
 from .inputs import resolve_sampling
 from .model import MedusaModel
 from .train.cli import add_train_commands
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _tree_arg(text: str):
-    """--tree: JSON rank paths, 'off' for no speculation (one token per step), or 'auto'."""
-    if text == "off":
-        return []
-    if text == "auto":
-        return text
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"--tree must be JSON rank paths such as '[[0],[1],[0,0]]' or 'off', "
-                                         f"got {text!r}")
 
 
 def _sampling_kwargs(args) -> dict:
@@ -72,6 +57,7 @@ def load(args):
 
     model_path = args.model or default_model.prepare()
     heads = _heads_path(args)
+    args.device = args.device or default_device()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
@@ -126,42 +112,56 @@ def load_draft_model(args):
     return AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=DTYPES[args.dtype]).to(args.device).eval()
 
 
-def generate(args) -> int:
-    """Generate, streaming text; --compare also times plain decoding."""
-    from transformers import TextStreamer
-
+def load_speculation(args):
+    """generate's and chat's model and proposer from the model, proposer and speculation options: returns
+    speculate(ids, streamer) -> GenerateOutput, the MedusaModel and the tokenizer."""
     _check_proposer_options(args)
     if args.draft_model is not None or args.self_draft_layers is not None:
         args.tree = None  # a draft model replaces the heads' tree: nothing to measure for --tree auto
     mm, tokenizer = load(args)
     base = mm.base_model
-    ids = bench.encode(tokenizer, args.prompt)
-    options = dict(max_new_tokens=args.max_new_tokens, streamer=TextStreamer(tokenizer, skip_prompt=True,
-                                                                             skip_special_tokens=True),
-                   **_sampling_kwargs(args))
-    if args.compare:  # first calls pay one-off costs (allocations, kernel choice): warm both up, as bench does
-        with torch.inference_mode():
-            base.generate(ids.to(args.device), max_new_tokens=2, do_sample=False)
-        mm.generate(ids, max_new_tokens=4, tree=args.tree)
     draft = self_draft(base, args.self_draft_layers) if args.self_draft_layers is not None else load_draft_model(args)
-    if draft is not None:
-        out = generate_with_draft(base, draft, ids, num_draft_tokens=args.draft_tokens,
-                                  max_draft_tokens=args.max_draft_tokens, **options)
-    elif args.lookup:
-        documents = [tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
-                     for path in args.documents or []]
-        out = generate_with_lookup(mm, ids, lookup_tokens=args.lookup, documents=documents, tree=args.tree, **options)
-    else:
-        out = mm.generate(ids, tree=args.tree, **options)
-    stats = out.stats
+    documents = [tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+                 for path in args.documents or []]
+
+    def speculate(ids, streamer):
+        options = dict(max_new_tokens=args.max_new_tokens, streamer=streamer, **_sampling_kwargs(args))
+        if draft is not None:
+            return generate_with_draft(base, draft, ids, num_draft_tokens=args.draft_tokens,
+                                       max_draft_tokens=args.max_draft_tokens, **options)
+        if args.lookup:
+            return generate_with_lookup(mm, ids, lookup_tokens=args.lookup, documents=documents, tree=args.tree,
+                                        **options)
+        return mm.generate(ids, tree=args.tree, **options)
+
+    return speculate, mm, tokenizer
+
+
+def _stats_line(stats) -> str:
     extra = ""
     if stats.lookup_accepted is not None:
         extra = f", {stats.lookup_accepted} from lookup"
     if stats.acceptance_rate is not None:
         extra = (f", draft acceptance {stats.acceptance_rate:.2f}, mean K "
                  f"{sum(stats.draft_lengths) / len(stats.draft_lengths):.1f}")
-    print(f"\n[{sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s, "
-          f"{stats.tokens_per_step:.2f} tokens/step{extra}]", file=sys.stderr)
+    return (f"[{sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s, "
+            f"{stats.tokens_per_step:.2f} tokens/step{extra}]")
+
+
+def generate(args) -> int:
+    """Generate, streaming text; --compare also times plain decoding."""
+    from transformers import TextStreamer
+
+    speculate, mm, tokenizer = load_speculation(args)
+    base = mm.base_model
+    ids = bench.encode(tokenizer, args.prompt)
+    if args.compare:  # first calls pay one-off costs (allocations, kernel choice): warm both up, as bench does
+        with torch.inference_mode():
+            base.generate(ids.to(args.device), max_new_tokens=2, do_sample=False)
+        mm.generate(ids, max_new_tokens=4, tree=args.tree)
+    out = speculate(ids, TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+    stats = out.stats
+    print("\n" + _stats_line(stats), file=sys.stderr)
     if args.compare:
         greedy = not resolve_sampling(base, **_sampling_kwargs(args)).do_sample
         start = time.perf_counter()
@@ -178,10 +178,10 @@ def chat(args) -> int:
     """Multi-turn chat through the model's chat template; an empty line or end of input quits."""
     from transformers import TextStreamer
 
-    mm, tokenizer = load(args)
+    speculate, mm, tokenizer = load_speculation(args)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model or default_model.MODEL_NAME} has no chat template; use `medusa-spec generate`")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     while True:
         try:
@@ -193,12 +193,10 @@ def chat(args) -> int:
         messages.append({"role": "user", "content": text})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]
-        out = mm.generate(ids, max_new_tokens=args.max_new_tokens, tree=args.tree, streamer=streamer,
-                          **_sampling_kwargs(args))
+        out = speculate(ids, streamer)
         reply = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
-        print(f"[{out.stats.tokens_per_second:.1f} tok/s, {out.stats.tokens_per_step:.2f} tokens/step]",
-              file=sys.stderr)
+        print(_stats_line(out.stats), file=sys.stderr)
     return 0
 
 
@@ -240,80 +238,48 @@ def run_convert(args) -> int:
     return 0
 
 
-# Options that several subcommands take are each defined once, here, in groups: a subcommand adds the groups it
-# takes, so a flag has the same name, type, default and help wherever it appears.
+# Options that several subcommands take are each defined once, in flags.py; a subcommand adds the groups it takes,
+# so a flag has the same name, type, meaning and help wherever it appears (distill, train and tree too).
 
 def _add_model_options(parser) -> None:
     """The model to load: generate, chat, bench."""
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="local folder of a transformers causal LM with its tokenizer (default: "
-                             f"SmolLM2-135M-Instruct from the {default_model.DISTRIBUTION} package)")
-    parser.add_argument("--heads", default=None, metavar="DIR",
-                        help="adapter folder (default: the shipped heads for the default model, else untrained heads)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the model is loaded in")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="device the model runs on (default: cuda when available, else cpu)")
+    add_flag(parser, "model")
+    add_flag(parser, "heads")
+    add_flag(parser, "dtype", "float32")
+    add_flag(parser, "device")
 
 
 def _add_decoding_options(parser) -> None:
     """Length and candidate tree: every subcommand that decodes (demo, generate, chat, bench)."""
-    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                        help="tokens to generate for each prompt (default: 128)")
-    parser.add_argument("--tree", type=_tree_arg, default="auto",
-                        help="the heads' candidate tree: JSON rank paths such as '[[0],[1],[0,0]]', 'off' (one token "
-                             "per step), or 'auto' (default: the tree with the most expected tokens per second on "
-                             "this machine for the heads' measured accuracies; the heads' own tree when they carry "
-                             "none)")
+    add_flag(parser, "max_new_tokens", 128)
+    add_flag(parser, "tree", "auto")
 
 
 def _add_sampling_options(parser) -> None:
-    """generate, chat. Each one not given comes from the model's generation_config, else transformers' default, as in
-    transformers' generate (inputs.resolve_sampling): a model whose generation_config samples samples here too."""
-    parser.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
-                        help="sample; --no-do-sample: greedy (default: the model's generation_config, else greedy)")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="sampling temperature (default: the model's generation_config, else 1.0)")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="sample among the K most likely tokens, 0: all (default: the model's generation_config, "
-                             "else 50)")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P",
-                        help="sample among the most likely tokens whose probabilities sum to P, 1.0: all (default: "
-                             "the model's generation_config, else 1.0)")
+    """generate, chat (and distill). Each one not given comes from the model's generation_config, else transformers'
+    default, as in transformers' generate (inputs.resolve_sampling): a model whose generation_config samples samples
+    here too."""
+    for name in ("do_sample", "temperature", "top_k", "top_p"):
+        add_flag(parser, name)
 
 
 def _add_seed_option(parser) -> None:
-    """demo, bench."""
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of torch's random numbers: the demo's random model and prompt, bench's sampling")
+    """demo, bench (and distill, train)."""
+    add_flag(parser, "seed", 0)
 
 
 def _add_proposer_options(parser) -> None:
-    """Proposers besides the heads: generate speculates with one, bench compares them as methods."""
-    parser.add_argument("--lookup", type=_non_negative_int, default=None, metavar="N",
-                        help="also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the "
-                             "output and --documents) in the same pass as the heads' tree; in bench, the chain of "
-                             f"the lookup and medusa_lookup methods (default {bench.LOOKUP_TOKENS}; 0 turns it off, "
-                             "the default of generate with a draft model)")
-    parser.add_argument("--draft-model", default=None, metavar="DIR",
-                        help="a draft model with the base's vocabulary: generate speculates with it instead of the "
-                             "heads; bench adds the draft_model method")
-    parser.add_argument("--self-draft-layers", type=_positive_int, default=None, metavar="N",
-                        help="a draft made of the model's first N layers (Llama, Qwen2, Gemma): generate speculates "
-                             "with it instead of the heads; bench's self_draft method uses it (default there: half "
-                             "the model's layers)")
+    """Proposers besides the heads: generate and chat speculate with one, bench compares them as methods."""
+    add_flag(parser, "lookup")
+    add_flag(parser, "draft_model")
+    add_flag(parser, "self_draft_layers")
 
 
-def _non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return int(text)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+def _add_speculation_options(parser) -> None:
+    """How generate and chat run the proposer they speculate with."""
+    add_flag(parser, "documents")
+    add_flag(parser, "draft_tokens")
+    add_flag(parser, "max_draft_tokens", 8)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,12 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding_options(p)
     _add_sampling_options(p)
     _add_proposer_options(p)
-    p.add_argument("--documents", nargs="+", default=None, metavar="FILE",
-                   help="text files whose tokens prompt lookup also searches (with --lookup)")
-    p.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
-                   help="draft tokens per step (default: chosen each step from measured acceptance and costs)")
-    p.add_argument("--max-draft-tokens", type=_positive_int, default=8, metavar="K",
-                   help="upper bound of the adaptive number of draft tokens")
+    _add_speculation_options(p)
     p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
     p.set_defaults(func=generate)
 
@@ -344,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_decoding_options(p)
     _add_sampling_options(p)
-    p.add_argument("--system", default=None, help="system message")
+    _add_proposer_options(p)
+    _add_speculation_options(p)
+    add_flag(p, "system_prompt")
     p.set_defaults(func=chat)
 
     p = commands.add_parser("bench", help="compare decoding methods on evaluation prompts")
@@ -355,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=str(bench.MT_BENCH),
                    help="MT-bench-shaped JSONL, first turns are used (default: MT-bench's 80 questions, shipped)")
     p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
-    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="only the first N prompts (after --per-category), for a quick run")
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--methods", nargs="+", choices=bench.METHODS, default=None,

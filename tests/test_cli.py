@@ -2,6 +2,7 @@
 
 import argparse
 import copy
+import re
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -57,7 +58,7 @@ def test_chat_keeps_the_conversation(model_dir, monkeypatch, capsys):
         return out
 
     monkeypatch.setattr(MedusaModel, "generate", recording_generate)
-    assert main(["chat", "--model", str(model_dir), "--max-new-tokens", "6"]) == 0
+    assert main(["chat", "--model", str(model_dir), "--max-new-tokens", "6", "--lookup", "0"]) == 0  # heads alone
     assert capsys.readouterr().err.count("tokens/step") == 2
     (first_prompt, first_output), (second_prompt, _) = calls
     # The second turn's prompt holds the first turn and the model's reply to it.
@@ -95,18 +96,76 @@ def test_bench_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
 
 
 def test_options_shared_by_subcommands_are_defined_once():
+    """A flag that several subcommands take, training ones included, has one type, help and meaning: only its
+    default value may be a command's own (the help's "(default: ...)")."""
     # argparse keeps a parser's subcommands and options only in private attributes.
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     seen = {}
-    for name in ("demo", "generate", "chat", "bench", "convert"):  # cli.py's own; train/ defines its commands
-        for action in commands[name]._actions:
+    for name, parser in commands.items():
+        for action in parser._actions:
+            meaning = re.sub(r" \((default: .*|required)\)$", "", action.help or "", flags=re.S)
             for flag in action.option_strings:
-                seen.setdefault(flag, []).append((name, type(action), action.type, action.default, action.help,
-                                                  action.choices, action.nargs, action.metavar))
+                seen.setdefault(flag, []).append((name, type(action), action.type, meaning, action.choices,
+                                                  action.nargs, action.metavar))
+    # bench reads one MT-bench-shaped file (categories, first turns), distill FILE[:N] prompt files of many shapes.
+    different = {"--prompts"}
     for flag, definitions in seen.items():
-        assert all(d[1:] == definitions[0][1:] for d in definitions), \
-            f"{flag} differs between {[d[0] for d in definitions]}"
-    assert {name for name, *_ in seen["--max-new-tokens"]} == {"demo", "generate", "chat", "bench"}
+        if flag not in different:
+            assert all(d[1:] == definitions[0][1:] for d in definitions), \
+                f"{flag} differs between {[d[0] for d in definitions]}"
+    where = {flag: {name for name, *_ in definitions} for flag, definitions in seen.items()}
+    assert where["--max-new-tokens"] == {"demo", "generate", "chat", "bench", "distill"}
+    for flag in ("--do-sample", "--temperature", "--top-k", "--top-p"):  # the model's sampling, nothing else
+        assert where[flag] == {"generate", "chat", "distill"}, flag
+    assert where["--eval-ranks"] == {"train", "tree"}  # ranks measured per head: not --top-k
+    assert where["--lookup"] == where["--draft-model"] == {"generate", "chat", "bench"}
+    assert where["--model"] == {"generate", "chat", "bench", "distill", "train", "tree"}
+    assert where["--system-prompt"] == {"chat", "distill"}
+
+
+def test_chat_speculates_as_generate_does(model_dir, monkeypatch, capsys):
+    """chat takes generate's proposer options: the lookup chain by default (10 tokens), --lookup N, --lookup 0."""
+    import medusa_spec.cli
+
+    chains, generate_with_lookup = [], medusa_spec.cli.generate_with_lookup
+
+    def recording_generate_with_lookup(mm, input_ids, **kwargs):
+        chains.append(kwargs["lookup_tokens"])
+        return generate_with_lookup(mm, input_ids, **kwargs)
+
+    monkeypatch.setattr(medusa_spec.cli, "generate_with_lookup", recording_generate_with_lookup)
+    for options, expected in [([], [10, 10]), (["--lookup", "3"], [3, 3]), (["--lookup", "0"], [])]:
+        said = iter(["w5 w9 w11 w5 w9", "w7 w8", ""])
+        monkeypatch.setattr("builtins.input", lambda prompt="": next(said))
+        chains.clear()
+        assert main(["chat", "--model", str(model_dir), "--max-new-tokens", "6", "--tree", "off", *options]) == 0
+        err = capsys.readouterr().err
+        assert chains == expected, options
+        assert err.count("from lookup") == len(expected) and err.count("tokens/step") == 2
+        assert main(["generate", "w5 w9 w11", "--model", str(model_dir), "--max-new-tokens", "6", "--tree", "off",
+                     *options]) == 0
+        assert chains == expected + expected[:1], options
+        capsys.readouterr()
+
+
+def test_distill_samples_as_generate_does(tmp_path):
+    """distill's answers resolve --do-sample, --temperature, --top-k and --top-p as generate does: a model whose
+    generation_config samples samples unless --no-do-sample, and a flag given overrides it."""
+    import json
+
+    path = save_tiny_model(tmp_path / "model", do_sample=True, temperature=3.0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 9} w{i + 20}"}) for i in range(5, 9)))
+
+    def answers(*flags):
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}.jsonl"
+        assert main(["distill", "--model", str(path), "--prompts", str(prompts), "--output", str(out), "--dtype",
+                     "float32", "--max-new-tokens", "8", "--batch-size", "4", *flags]) == 0
+        return {r["id"]: r["messages"][-1]["content"] for r in map(json.loads, out.read_text().splitlines())}
+
+    greedy = answers("--no-do-sample")
+    assert answers() != greedy  # as the model's generation_config says: it samples
+    assert answers("--top-k", "1") == greedy  # sampling among the one most likely token
 
 
 @pytest.mark.parametrize("proposer", [["--lookup", "0"], []], ids=["heads", "heads+lookup"])

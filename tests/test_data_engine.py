@@ -10,6 +10,7 @@ from collections import deque
 import pytest
 import torch
 
+from medusa_spec.accept import Sampling
 from medusa_spec.train.data import read_conversations
 from medusa_spec.train.engine import Request, decode_stream
 from medusa_spec.train.store import ConversationStore, read_records
@@ -70,20 +71,19 @@ def test_no_room_and_empty_requests_come_back_empty():
     assert len(got["tight"]) == 14 - 10
 
 
-def test_sampling_rows_with_a_tiny_nucleus_are_greedy_and_greedy_rows_stay_greedy():
-    """Per-request temperature: top_p -> 0 keeps only the argmax, so sampled rows equal greedy ones;
-    a temperature-1 row beside them samples (differs from greedy for some seed)."""
+def test_each_row_draws_as_its_requests_sampling_says():
+    """Per-request sampling (the decoding loop's rule): a tiny nucleus or top-k 1 keeps only the argmax, so those
+    rows equal greedy ones; a row sampling the whole distribution beside them samples (differs from greedy for some
+    seed)."""
     model = tiny_model("llama", lm_head_scale=1.0)
     asks = prompts(4, seed=2)
     greedy = dict(decode_stream(model, deque(Request(i, ids) for i, ids in enumerate(asks)), set(), rows=4,
                                 max_new_tokens=10))
-    nucleus = dict(decode_stream(model, deque(Request(i, ids, temperature=1.0) for i, ids in enumerate(asks)), set(),
-                                 rows=4, max_new_tokens=10, top_p=1e-6))
-    assert nucleus == greedy
-    mixed = [dict(decode_stream(model, deque([Request("g", asks[0]), Request("s", asks[1], temperature=1.0)]), set(),
-                                rows=2, max_new_tokens=10, seed=seed)) for seed in range(3)]
-    assert all(m["g"] == greedy[0] for m in mixed)
-    assert any(m["s"] != greedy[1] for m in mixed)
+    samplings = [Sampling(True, 1.0, top_p=1e-6), Sampling(True, 1.0, top_k=1), Sampling(), Sampling(True, 1.0)]
+    mixed = [dict(decode_stream(model, deque(Request(i, ids, samplings[i]) for i, ids in enumerate(asks)), set(),
+                                rows=4, max_new_tokens=10, seed=seed)) for seed in range(3)]
+    assert all(m[i] == greedy[i] for m in mixed for i in range(3))
+    assert any(m[3] != greedy[3] for m in mixed)
 
 
 def record(i: int) -> dict:

@@ -42,7 +42,7 @@ from medusa_spec.train.data import (
     require_chat_template,
     tokenize_conversation,
 )
-from medusa_spec.train.distill import DistillConfig, answer, distill
+from medusa_spec.train.distill import SELF_PROMPTS, DistillConfig, answer, distill
 from medusa_spec.train.evaluate import count_rank_hits
 from medusa_spec.train.load import load_model_and_tokenizer
 from medusa_spec.train.loop import train
@@ -414,6 +414,25 @@ def test_distill_answers_turn_by_turn_and_resumes(base_dir, tmp_path):
     assert record["id"] == "two" and [m["role"] for m in record["messages"]] == ["user", "assistant"]
 
 
+def test_model_written_prompts_and_follow_ups_are_answered(base_dir, tmp_path):
+    """--self-prompts: the model writes user prompts (Magpie, at --prompt-temperature), kept in the output folder and
+    answered; --follow-ups: a model-written second turn, answered again. The answers stay greedy meanwhile."""
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    prompts = [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(8)]
+    cfg = distill_settings(base_dir, tmp_path / "data", batch_size=4, max_new_tokens=ANSWER + 4, self_prompts=3,
+                           follow_ups=0.9, max_prompt_tokens=400)
+    stats = distill(base_model, tokenizer, prompts, cfg, progress=False)
+    written = [json.loads(line)["prompt"] for line in (tmp_path / "data" / SELF_PROMPTS).read_text().splitlines()]
+    assert len(set(written)) == 3 and stats["written"] == 8 + 3 and stats["follow_ups"] > 0
+    records = list(read_records(tmp_path / "data"))
+    assert sum(len(r["messages"]) == 4 for r in records) == stats["follow_ups"]
+    for record in records:  # first answers are the base's greedy ones: the counting lesson counts on
+        question, reply = (m["content"] for m in record["messages"][:2])
+        start = question.removeprefix("count from w")
+        if start.isdigit():
+            assert reply == counting(int(start), len(reply.split())), record
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -628,7 +647,7 @@ def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
     recipe.write_text(json.dumps({"train": {"learning_rate": 1}}))
     with pytest.raises(ValueError, match="unknown 'train' settings \\['learning_rate'\\]"):
         resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe)]), "train")
-    with pytest.raises(ValueError, match="train needs --model, --data, --output-dir"):
+    with pytest.raises(ValueError, match="train needs --data, --output-dir"):
         resolve(TrainConfig, parser.parse_args(["train"]), "train")
     with pytest.raises(ValueError, match="--cache-hidden needs a frozen base"):
         TrainConfig(model="m", data=["d"], output_dir="o", mode="medusa2", cache_hidden=True)

@@ -17,8 +17,9 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 
 CHECKPOINTS, LATEST, STATE = "checkpoints", "latest", "trainer_state.json"
-# Settings that may differ on --resume without changing the weights reached.
-RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "log_every", "eval_every"}
+# Settings that may differ on --resume without changing the weights reached (eval_ranks was top_k in checkpoints
+# written before its rename: what evaluation counts, not what trains).
+RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "log_every", "eval_every", "eval_ranks", "top_k"}
 
 
 def keep_trainable_weights_only(accelerator) -> None:

@@ -3,13 +3,14 @@ each sets `func`, which runs the command and returns the exit status."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 from accelerate import Accelerator
 
+from .. import default_model
 from ..base import inspect_base_model
+from ..flags import add_flag, default_device
 from ..model import MedusaModel
 from .config import TrainConfig
 from .data import make_rows, parse_prompt_spec, read_conversations, read_prompts, tokenize_conversation
@@ -31,11 +32,9 @@ def run_distill(args) -> int:
     if cfg.server:
         print(json.dumps(distill_via_server(prompts, cfg)))
         return 0
-    if cfg.model is None:
-        raise SystemExit("distill: give --model FOLDER (the base model answers locally) or --server URL")
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.dtype, cfg.plain_text)
-    model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = load_model_and_tokenizer(cfg.model or default_model.prepare(), cfg.dtype, cfg.plain_text)
+    model.to(cfg.device or default_device())
     print(json.dumps(distill(model, tokenizer, prompts, cfg)))
     return 0
 
@@ -47,17 +46,18 @@ def run_train(args) -> int:
 
 def run_tree(args) -> int:
     eval_metrics = None
-    if args.model or args.data:
-        if not (args.model and args.data):
-            raise ValueError("tree: measuring needs both --model and --data (or neither, to use the saved metrics)")
-        eval_metrics = measure(args.adapter, args.model, args.data, args.max_length, args.batch_size, args.top_k,
-                               args.plain_text)
+    if args.data:
+        eval_metrics = measure(args.adapter, args.model or default_model.prepare(), args.data, args.max_length,
+                               args.batch_size, args.eval_ranks, args.plain_text)
+    elif args.model:
+        raise ValueError("tree: --model is the base the accuracies are measured on: add --data FILE (without both, "
+                         "the accuracies saved by training are used)")
     tree = calibrate_tree(args.adapter, args.nodes, eval_metrics)
     print(json.dumps({"adapter": str(args.adapter), "nodes": args.nodes, "tree": tree}))
     return 0
 
 
-def measure(adapter: str, model: str, data: list[str], max_length: int, batch_size: int, top_k: int,
+def measure(adapter: str, model: str, data: list[str], max_length: int, batch_size: int, eval_ranks: int,
             plain_text: bool) -> dict:
     """Rank accuracies of the adapter's heads on conversations, against its base's greedy tokens."""
     base_model, tokenizer = load_model_and_tokenizer(model, "float32", plain_text)
@@ -68,12 +68,11 @@ def measure(adapter: str, model: str, data: list[str], max_length: int, batch_si
     accelerator = Accelerator()
     module = TrainModule(medusa.base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep)
     module.to(accelerator.device)
-    return evaluate(module, rows, batch_size, tokenizer.pad_token_id, top_k, accelerator)
+    return evaluate(module, rows, batch_size, tokenizer.pad_token_id, eval_ranks, accelerator)
 
 
 def add_train_commands(subparsers) -> None:
     """Register `distill`, `train` and `tree` on an argparse subparsers object."""
-    formatter = argparse.ArgumentDefaultsHelpFormatter
     p = subparsers.add_parser("distill", help="let the base model answer prompts (self-distillation data)",
                               description="Answer prompt files with the base model's chat template; append the "
                                           "conversations to --output as JSONL. Rerun the same command to resume.")
@@ -86,19 +85,20 @@ def add_train_commands(subparsers) -> None:
     add_options(p, TrainConfig)
     p.set_defaults(func=run_train)
 
-    p = subparsers.add_parser("tree", formatter_class=formatter,
-                              help="grow the adapter's default tree from measured head accuracies",
+    p = subparsers.add_parser("tree", help="grow the adapter's default tree from measured head accuracies",
                               description="Grow the sparse tree of --nodes nodes that maximises the expected accepted "
                                           "length and store it in the adapter's medusa_config.json. Uses the "
                                           "accuracies saved by training, or measures them with --model and --data.")
-    p.add_argument("--adapter", required=True, help="adapter folder written by `medusa-spec train`")
-    p.add_argument("--nodes", type=int, default=16, help="tree size, root included (larger suits GPUs)")
-    p.add_argument("--model", help="base model folder, to measure the accuracies afresh")
-    p.add_argument("--data", nargs="+", metavar="FILE", help="held-out conversation JSONL files to measure on")
-    p.add_argument("--max-length", type=int, default=TrainConfig.max_length, help="tokens per row when measuring")
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="rows per batch when measuring")
-    p.add_argument("--top-k", type=int, default=TrainConfig.top_k, help="ranks measured per head")
-    p.add_argument("--plain-text", action="store_true", help="the tokenizer has no chat template (see train)")
+    p.add_argument("--adapter", required=True, metavar="DIR",
+                   help="adapter folder written by `medusa-spec train`, where the tree is stored")
+    p.add_argument("--nodes", type=int, default=16, help="tree size, root included; larger suits GPUs (default: 16)")
+    # Measuring afresh: --data (held-out conversations), read as train reads its data.
+    add_flag(p, "data")
+    add_flag(p, "model")
+    add_flag(p, "max_length", TrainConfig.max_length)
+    add_flag(p, "batch_size", TrainConfig.batch_size)
+    add_flag(p, "eval_ranks", TrainConfig.eval_ranks)
+    add_flag(p, "plain_text", False)
     p.set_defaults(func=run_tree)
 
 

@@ -1,19 +1,20 @@
-"""`medusa-spec train`'s settings: one dataclass whose fields carry their --help text, checked when built."""
+"""`medusa-spec train`'s settings: one dataclass whose fields carry their --help text (those other subcommands take
+too: medusa_spec.flags), checked when built."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config import HEAD_TYPES
-from .options import option
+from .options import option, shared
 
 
 @dataclass
 class TrainConfig:
     """Settings of `medusa-spec train` (the flags are generated from these fields)."""
 
-    model: str = option(None, "local folder of the base model and tokenizer (save_pretrained layout)", required=True)
-    data: list[str] = option(None, "conversation JSONL files written by `medusa-spec distill`", required=True)
+    model: str | None = shared(None)
+    data: list[str] = shared(None, required=True)
     output_dir: str = option(None, "where the adapter, checkpoints/ and train_log.jsonl go", required=True)
     mode: str = option("medusa1", "medusa1: frozen base, heads only; medusa2: LoRA on the base too",
                        choices=("medusa1", "medusa2"))
@@ -31,9 +32,9 @@ class TrainConfig:
                                "(cross-entropy); teacher, the base model's whole next-token distribution there "
                                "(soft targets from its own logits: more signal per position, and right for data "
                                "the base did not write)", choices=("tokens", "teacher"))
-    max_length: int = option(1024, "tokens per row; longer conversations are truncated")
+    max_length: int = shared(1024)
     pack: bool = option(True, "pack several conversations per row (else one per row, padded)")
-    batch_size: int = option(8, "rows per micro-batch and process")
+    batch_size: int = shared(8)
     grad_accum: int = option(1, "micro-batches per optimizer step")
     epochs: float = option(1.0, "passes over the training rows (unless --max-steps)")
     max_steps: int | None = option(None, "optimizer steps; overrides --epochs")
@@ -43,19 +44,19 @@ class TrainConfig:
     warmup_steps: int = option(50, "linear warm-up steps before the cosine decay")
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak")
     max_grad_norm: float = option(1.0, "gradient clipping (0 = off)")
-    seed: int = option(0, "seed of initialisation, data order and dropout")
+    seed: int = shared(0)
     mixed_precision: str | None = option(None, "no / fp16 / bf16 (default: accelerate's config); the base is loaded "
                                          "in that dtype, trainable weights stay fp32", choices=("no", "fp16", "bf16"))
     cache_hidden: bool = option(False, "medusa1: cache the base's hidden states on disk (output_dir/hidden_cache) "
                                 "so the base runs once per row, not once per epoch")
     eval_examples: int = option(64, "conversations held out to measure head accuracy")
     eval_every: int = option(0, "evaluate every N steps (0 = at the end only)")
-    top_k: int = option(10, "ranks measured per head (the tree builder's candidates)")
+    eval_ranks: int = shared(10)
     save_every: int = option(500, "checkpoint every N steps (0 = never)")
     keep_checkpoints: int = option(2, "checkpoints kept on disk")
     log_every: int = option(10, "log every N steps")
     resume: bool = option(False, "continue from the latest checkpoint in output_dir (start fresh if there is none)")
-    plain_text: bool = option(False, "the tokenizer has no chat template: use the plain 'User:/Assistant:' format")
+    plain_text: bool = shared(False)
     base_loss: str = option("kl", "medusa2 base loss: kl to the untouched base (self-distillation) or ce on the data",
                             choices=("kl", "ce"))
     heads_loss_weight: float = option(0.2, "medusa2: lambda in base_loss + lambda * heads_loss")
@@ -68,6 +69,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.mode == "medusa2" and self.cache_hidden:
             raise ValueError("--cache-hidden needs a frozen base (medusa1); medusa2 changes the base's hidden states")
-        for name in ("num_heads", "max_length", "batch_size", "grad_accum", "top_k", "keep_checkpoints", "log_every"):
+        for name in ("num_heads", "max_length", "batch_size", "grad_accum", "eval_ranks", "keep_checkpoints",
+                     "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

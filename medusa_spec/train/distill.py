@@ -22,9 +22,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..accept import Sampling
+from ..inputs import resolve_sampling
 from .data import Prompt, read_prompts, render
 from .engine import Request, decode_stream
-from .options import option
+from .options import option, shared
 from .store import ConversationStore, is_folder, read_records
 
 SELF_PROMPTS = "self_prompts.jsonl"
@@ -35,37 +37,39 @@ _SENTINEL = "\x00medusa-spec-user-turn\x00"
 class DistillConfig:
     """Settings of `medusa-spec distill` (the flags are generated from these fields)."""
 
-    model: str | None = option(None, "local folder of the base model and tokenizer (save_pretrained layout); "
-                                     "not needed with --server")
+    model: str | None = shared(None)
     prompts: list[str] = option(None, "prompt JSONL files, each FILE or FILE:N (the first N prompts of FILE)",
                                 required=True)
     output: str = option(None, "where conversations go: FILE.jsonl, or a folder of gzipped chunks (resumable; "
                                "prompts already in it are skipped)", required=True)
     prompt_field: str | None = option(None, "the prompt's field in every file (default: read from the first record)")
-    system_prompt: str | None = option(None, "a system message put before every conversation")
-    batch_size: int = option(64, "rows decoded together (a finished row takes the next prompt at once)")
-    max_new_tokens: int = option(512, "tokens per answer at most")
+    system_prompt: str | None = shared(None)
+    batch_size: int = shared(64)
+    max_new_tokens: int = shared(512)
     max_prompt_tokens: int = option(2048, "a longer prompt is skipped (a longer later turn ends the conversation)")
-    do_sample: bool = option(False, "sample the answers instead of greedy decoding")
-    temperature: float = option(0.7, "sampling temperature of the answers (with --do-sample)")
-    top_p: float = option(1.0, "nucleus sampling mass (answers with --do-sample, and model-written prompts)")
+    # The answers' sampling, as generate's (None: the model's generation_config, else transformers' default).
+    do_sample: bool | None = shared(None)
+    temperature: float | None = shared(None)
+    top_k: int | None = shared(None)
+    top_p: float | None = shared(None)
     self_prompts: int = option(0, f"first have the model write this many user prompts of its own (Magpie), kept "
                                   f"deduplicated in the output folder's {SELF_PROMPTS}, and answer them too")
     follow_ups: float = option(0.0, "share of single-turn conversations that get a model-written second user turn, "
                                     "answered again")
-    prompt_temperature: float = option(1.0, "sampling temperature of model-written prompts and follow-ups")
+    prompt_temperature: float = option(1.0, "sampling temperature of model-written prompts and follow-ups, drawn "
+                                            "from the whole distribution (--top-k and --top-p are the answers')")
     chunk_size: int = option(2000, "conversations per gzipped chunk of an output folder")
     # bf16 by default: 1.5x the answer tokens/s of fp32 on this project's CPU (scripts/bench_distill.py) and the
     # usual GPU dtype; the answers are the model's own up to bf16 rounding.
-    dtype: str = option("bfloat16", "dtype to load the model in (auto: as saved)",
-                        choices=("auto", "float32", "bfloat16", "float16"))
-    device: str | None = option(None, "torch device (default: cuda if available, else cpu)")
-    plain_text: bool = option(False, "the tokenizer has no chat template: use the plain 'User:/Assistant:' format")
+    dtype: str = shared("bfloat16")
+    device: str | None = shared(None)
+    plain_text: bool = shared(False)
     server: str | None = option(None, "answer through an OpenAI-compatible server at this URL (vLLM, SGLang, "
-                                      "llama.cpp's server) instead of a local model")
+                                      "llama.cpp's server) instead of a local model; sampling settings not given "
+                                      "take transformers' defaults there (the model's generation_config is not read)")
     server_model: str | None = option(None, "the model name the server serves (with --server; default: its first)")
     concurrency: int = option(16, "requests in flight at once (with --server)")
-    seed: int = option(0, "seed for sampling")
+    seed: int = shared(0)
 
 
 def finished_ids(output: Path) -> set[str]:
@@ -97,14 +101,26 @@ def _decode(tokenizer, tokens: list[int], eos: set[int]) -> str:
     return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip()
 
 
+def answer_sampling(base_model, cfg: DistillConfig) -> Sampling:
+    """How answers are drawn: --do-sample, --temperature, --top-k, --top-p as `medusa-spec generate` resolves
+    them (the flag, else the model's generation_config, else transformers' default: greedy)."""
+    return resolve_sampling(base_model, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def prompt_sampling(cfg: DistillConfig) -> Sampling:
+    """How model-written prompts are drawn: the whole distribution at --prompt-temperature (0: greedy)."""
+    return Sampling(cfg.prompt_temperature > 0, cfg.prompt_temperature or 1.0)
+
+
 def answer(base_model, tokenizer, conversations: list[list[dict]], cfg: DistillConfig) -> tuple[list[str], int]:
     """One reply per conversation (each ending in a user turn); returns (replies, new tokens)."""
     eos = eos_ids(base_model, tokenizer)
-    requests = deque(Request(i, _ids(tokenizer, render(tokenizer, m, add_generation_prompt=True)),
-                             cfg.temperature if cfg.do_sample else 0.0) for i, m in enumerate(conversations))
+    sampling = answer_sampling(base_model, cfg)
+    requests = deque(Request(i, _ids(tokenizer, render(tokenizer, m, add_generation_prompt=True)), sampling)
+                     for i, m in enumerate(conversations))
     replies, count = [""] * len(conversations), 0
     for i, tokens in decode_stream(base_model, requests, eos, rows=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
-                                   top_p=cfg.top_p, pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed):
+                                   pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed):
         replies[i], count = _decode(tokenizer, tokens, eos), count + len(tokens)
     return replies, count
 
@@ -132,10 +148,10 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
         if tries > 4 * cfg.self_prompts + 64:
             raise RuntimeError(f"the model repeats itself: {len(written)} distinct prompts after {tries} tries; "
                                f"raise --prompt-temperature or ask for fewer --self-prompts")
-        batch = deque(Request(i, opening, cfg.prompt_temperature, 160) for i in range(min(want * 2, 256)))
+        batch = deque(Request(i, opening, prompt_sampling(cfg), 160) for i in range(min(want * 2, 256)))
         tries += len(batch)
         with open(path, "a", encoding="utf-8") as out:
-            for _, tokens in decode_stream(base_model, batch, eos, rows=cfg.batch_size, top_p=cfg.top_p,
+            for _, tokens in decode_stream(base_model, batch, eos, rows=cfg.batch_size,
                                            pad_token_id=tokenizer.pad_token_id or 0,
                                            seed=cfg.seed + tries + len(written)):
                 text = _decode(tokenizer, tokens, eos)
@@ -182,7 +198,7 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
     conversations = {p.id: list(system) for p in todo}
     turns = {p.id: list(p.turns) for p in todo}
     eos = eos_ids(base_model, tokenizer)
-    answer_temperature = cfg.temperature if cfg.do_sample else 0.0
+    answers, asks = answer_sampling(base_model, cfg), prompt_sampling(cfg)
 
     def ask(pid: str):
         """The request for the conversation's next user turn, or None when it is too long."""
@@ -191,7 +207,7 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
         if len(ids) > cfg.max_prompt_tokens:
             return None
         conversations[pid] = messages
-        return Request(pid, ids, answer_temperature)
+        return Request(pid, ids, answers)
 
     requests = deque()
     for p in todo:
@@ -205,7 +221,7 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
     bar = tqdm(total=len(requests), unit="conv", disable=not progress, desc=f"distill -> {Path(cfg.output).name}")
     pending = []
     for key, tokens in decode_stream(base_model, requests, eos, rows=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
-                                     capacity=cfg.max_prompt_tokens + cfg.max_new_tokens, top_p=cfg.top_p,
+                                     capacity=cfg.max_prompt_tokens + cfg.max_new_tokens,
                                      pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed):
         text = _decode(tokenizer, tokens, eos)
         if isinstance(key, tuple):  # a model-written follow-up question: ask it if it is usable
@@ -230,7 +246,7 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
             if single and cfg.follow_ups and _wants_follow_up(pid, cfg.follow_ups):
                 opening = _ids(tokenizer, user_turn_opening(tokenizer, conversations[pid]))
                 if len(opening) + 160 <= cfg.max_prompt_tokens:
-                    requests.appendleft(Request((pid, "ask"), opening, cfg.prompt_temperature, 160))
+                    requests.appendleft(Request((pid, "ask"), opening, asks, 160))
                     continue
             pending.append({"id": pid, "messages": conversations.pop(pid)})
         if len(pending) >= 16:

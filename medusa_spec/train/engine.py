@@ -20,8 +20,11 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..accept import Sampling, kept_scores
 from ..base import inspect_base_model
 from ..verify import layer_masks
+
+GREEDY = Sampling()
 
 
 class SlotLayer(CacheLayerMixin):
@@ -77,7 +80,7 @@ class Slots(Cache):
 class Request:
     key: object                 # returned with the answer, so the caller can match it
     input_ids: list[int]
-    temperature: float = 0.0    # 0: greedy
+    sampling: Sampling = GREEDY  # how this row's tokens are drawn (as transformers' generate with those settings)
     max_new_tokens: int | None = None  # None: decode_stream's
 
 
@@ -86,30 +89,26 @@ def _n_layers(model: nn.Module) -> int:
     return config.num_hidden_layers
 
 
-def _pick(logits: torch.Tensor, temperature: torch.Tensor, top_p: float, generator) -> torch.Tensor:
-    """Next tokens [rows] from last-position logits [rows, V]: argmax where temperature [rows] is 0,
-    temperature + nucleus sampling elsewhere."""
-    greedy = logits.argmax(-1)
-    if not bool((temperature > 0).any()):
-        return greedy
-    probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs[drop] = 0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.where(temperature > 0, torch.multinomial(probs, 1, generator=generator)[:, 0], greedy)
+def _pick(logits: torch.Tensor, samplings: list[Sampling], generator) -> torch.Tensor:
+    """Next tokens [rows] from last-position logits [rows, V], row i drawn as samplings[i] says: argmax when
+    greedy, else from temperature, top-k and top-p as the decoding loop draws (accept.kept_scores)."""
+    tokens = logits.argmax(-1)
+    for sampling in dict.fromkeys(s for s in samplings if s.do_sample):  # a few distinct settings, in row order
+        rows = torch.tensor([i for i, s in enumerate(samplings) if s == sampling], device=logits.device)
+        scores, ids = kept_scores(logits[rows], sampling)
+        drawn = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)
+        tokens[rows] = (drawn if ids is None else ids.gather(-1, drawn))[:, 0]
+    return tokens
 
 
 def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *, rows: int = 64,
-                  max_new_tokens: int = 512, capacity: int | None = None, top_p: float = 1.0,
-                  pad_token_id: int = 0, seed: int = 0) -> Iterator[tuple[object, list[int]]]:
+                  max_new_tokens: int = 512, capacity: int | None = None, pad_token_id: int = 0,
+                  seed: int = 0) -> Iterator[tuple[object, list[int]]]:
     """Answer `requests` (a deque of Request, which the caller may extend while iterating, e.g. with
     a conversation's next turn) and yield (key, new tokens through the first eos) as each row ends.
 
     A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default
-    the longest request + max_new_tokens). Greedy unless the request has a temperature.
+    the longest request + max_new_tokens). Each row draws as its request's `sampling` says.
     """
     spec = inspect_base_model(model)  # read per call: the caller may switch attention implementations
     device = model.get_input_embeddings().weight.device
@@ -122,7 +121,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     length = torch.zeros(rows, dtype=torch.long, device=device)   # valid columns per row
     last = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)  # the token to feed next
     active = [None] * rows  # per row: (key, new tokens) or None when free
-    temperature = torch.zeros(rows, device=device)
+    sampling = [GREEDY] * rows
     limit = [max_new_tokens] * rows
     columns = torch.arange(capacity, device=device)
 
@@ -140,9 +139,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             mask = layer_masks(spec, torch.ones(1, n, n, dtype=torch.bool, device=device).tril_(), pos, pos, dtype)
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                         use_cache=True, logits_to_keep=1)
-            temperature[row] = request.temperature
+            sampling[row] = request.sampling
             limit[row] = request.max_new_tokens or max_new_tokens
-            first = _pick(out.logits[:, -1], temperature[row: row + 1], top_p, generator)
+            first = _pick(out.logits[:, -1], [request.sampling], generator)
             length[row], last[row] = n, first[0]
             active[row] = (request.key, [int(first[0])])
             return True
@@ -179,7 +178,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                                columns[None, :width], dtype)
             out = model(input_ids=last[:, None], attention_mask=mask, position_ids=start[:, None], cache=cache,
                         use_cache=True)
-            nxt = _pick(out.logits[:, -1], temperature, top_p, generator)
+            nxt = _pick(out.logits[:, -1], sampling, generator)
             length += busy.long()
             last = torch.where(busy, nxt, last)
             done = busy & (torch.isin(nxt, eos) | (length + 1 >= capacity))

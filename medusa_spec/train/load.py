@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..flags import DTYPES
 from .data import require_chat_template
-
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model_and_tokenizer(path: str | Path, dtype="auto", plain_text: bool = False):

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from peft import LoraConfig, get_peft_model
 
+from .. import default_model
 from ..base import inspect_base_model
 from ..config import MedusaConfig
 from ..model import MedusaModel
@@ -35,6 +36,8 @@ from .module import Outputs, TrainModule
 
 def train(cfg: TrainConfig) -> dict:
     """Train, checkpoint, evaluate, and save the adapter into cfg.output_dir; returns a summary."""
+    if cfg.model is None:  # as every command reads --model: the default model
+        cfg = dataclasses.replace(cfg, model=str(default_model.prepare()))
     medusa2 = cfg.mode == "medusa2"
     # Parameters left without gradient (LoRA during a heads-only warm-up) must be allowed under DDP.
     ddp = DistributedDataParallelKwargs(find_unused_parameters=medusa2 and cfg.heads_warmup_steps > 0)
@@ -116,8 +119,8 @@ def train(cfg: TrainConfig) -> dict:
     def run_eval():
         if not eval_rows:
             return {}
-        return evaluate(accelerator.unwrap_model(module), eval_rows, cfg.batch_size, tokenizer.pad_token_id, cfg.top_k,
-                        accelerator)
+        return evaluate(accelerator.unwrap_model(module), eval_rows, cfg.batch_size, tokenizer.pad_token_id,
+                        cfg.eval_ranks, accelerator)
 
     # 3. The loop.
     accelerator.print(f"{cfg.mode}: {len(train_rows)} train rows, {len(eval_rows)} eval rows, steps {start_step} -> "

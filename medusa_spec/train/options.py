@@ -1,7 +1,8 @@
 """Config dataclasses whose fields carry their --help text, and the argparse flags built from them.
 
 Defaults live once, in the dataclass. A command's settings come from a recipe (--config FILE.json,
-one section per command) overridden by the flags given on the command line.
+one section per command) overridden by the flags given on the command line. A field made with `shared`
+is an option other subcommands take too (medusa_spec.flags): its flag, type and help are defined there.
 """
 
 from __future__ import annotations
@@ -12,16 +13,26 @@ import json
 import typing
 from pathlib import Path
 
+from ..flags import add_flag
+
 
 def option(default, help: str, **extra):
     """A config field with its --help text; extra: required=True, choices=(...)."""
     return dataclasses.field(default=default, metadata={"help": help, **extra})
 
 
+def shared(default, **extra):
+    """A config field whose flag is medusa_spec.flags.FLAGS[its name], as other subcommands define it."""
+    return dataclasses.field(default=default, metadata={"shared": True, **extra})
+
+
 def add_options(parser: argparse.ArgumentParser, cls) -> None:
     """One --flag per field of `cls`; only flags given on the command line land in the namespace."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("shared"):
+            add_flag(parser, f.name, f.default, required=f.metadata.get("required", False), suppress=True)
+            continue
         kind = hints[f.name]
         if typing.get_origin(kind) is not list:  # X | None -> X
             kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..inputs import resolve_sampling
 from .data import Prompt
 from .store import ConversationStore
 
@@ -54,13 +55,17 @@ def _converse(base_url: str, model: str, prompt: Prompt, cfg, timeout: float) ->
     """One conversation, turn by turn; returns ({"id", "messages"} or None if the first turn was refused
     as too long, answer tokens)."""
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    # As distill resolves them locally, less the model's generation_config, which a server does not show.
+    sampling = resolve_sampling(None, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
     tokens = 0
     for turn in prompt.turns:
         payload = {"model": model, "messages": messages + [{"role": "user", "content": turn}],
-                   "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature if cfg.do_sample else 0.0,
+                   "max_tokens": cfg.max_new_tokens, "temperature": sampling.temperature if sampling.do_sample else 0.0,
                    "seed": cfg.seed}
-        if cfg.do_sample:
-            payload["top_p"] = cfg.top_p
+        if sampling.do_sample:
+            payload["top_p"] = sampling.top_p
+            if sampling.top_k:  # not in OpenAI's API; vLLM, SGLang and llama.cpp's server read it
+                payload["top_k"] = sampling.top_k
         try:
             reply = _call(f"{base_url}/v1/chat/completions", payload, timeout)
         except ServerError as err:

@@ -1,0 +1,136 @@
+"""Command-line options that several `medusa-spec` subcommands take, each defined once: flag, type, help, and what
+it means when it is not given. cli.py adds them to demo, generate, chat and bench; the distill and train settings
+(train/options.py `shared`) and the tree command name them too, so `distill --temperature` is `generate
+--temperature`. A command chooses only its default value (`--max-new-tokens` 128 to generate, 512 to distill)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .bench import LOOKUP_TOKENS
+from .default_model import DISTRIBUTION
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> str:
+    """--device not given: cuda when available, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tree_arg(text: str):
+    """--tree: JSON rank paths, 'off' for no speculation (one token per step), or 'auto'."""
+    if text == "off":
+        return []
+    if text == "auto":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"--tree must be JSON rank paths such as '[[0],[1],[0,0]]' or 'off', "
+                                         f"got {text!r}")
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return int(text)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    help: str  # what it sets; add_flag appends the default
+    type: object = None  # argparse's type; bool: --flag / --no-flag
+    choices: tuple | None = None
+    metavar: str | None = None
+    nargs: str | None = None
+    unset: str | None = None  # what an absent flag means where its default is None
+
+
+_FROM_GENERATION_CONFIG = "the model's generation_config, else {}"  # as transformers' generate resolves it
+
+FLAGS = {
+    # The model.
+    "model": Flag("local folder of a transformers causal LM and its tokenizer, as save_pretrained writes them; "
+                  "nothing is downloaded", metavar="DIR",
+                  unset=f"SmolLM2-135M-Instruct from the {DISTRIBUTION} package"),
+    "heads": Flag("adapter folder", metavar="DIR",
+                  unset="the shipped heads for the default model, else untrained heads"),
+    "dtype": Flag("dtype the model is loaded in (auto: as saved)", choices=tuple(DTYPES)),
+    "device": Flag("device the model runs on", unset="cuda when available, else cpu"),
+    "plain_text": Flag("the tokenizer has no chat template: use the plain 'User:/Assistant:' format", type=bool),
+    # Decoding.
+    "max_new_tokens": Flag("tokens generated per answer at most (an eos ends it sooner)", type=int, metavar="N"),
+    "tree": Flag("the heads' candidate tree: JSON rank paths such as '[[0],[1],[0,0]]', 'off' (one token per step), "
+                 "or 'auto' (the tree with the most expected tokens per second on this machine for the heads' "
+                 "measured accuracies; the heads' own tree when they carry none)", type=tree_arg),
+    "system_prompt": Flag("a system message put before every conversation", metavar="TEXT", unset="none"),
+    # Sampling: each one not given resolves as in transformers' generate (inputs.resolve_sampling), so a model whose
+    # generation_config samples samples here too.
+    "do_sample": Flag("sample; --no-do-sample: greedy", type=bool, unset=_FROM_GENERATION_CONFIG.format("greedy")),
+    "temperature": Flag("sampling temperature", type=float, unset=_FROM_GENERATION_CONFIG.format("1.0")),
+    "top_k": Flag("sample among the K most likely tokens, 0: all", type=int, metavar="K",
+                  unset=_FROM_GENERATION_CONFIG.format("50")),
+    "top_p": Flag("sample among the most likely tokens whose probabilities sum to P, 1.0: all", type=float,
+                  metavar="P", unset=_FROM_GENERATION_CONFIG.format("1.0")),
+    "seed": Flag("seed of torch's random numbers (demo: the random model and prompt; bench, distill: sampling; "
+                 "train: initialisation, data order and dropout)", type=int),
+    # Proposers besides the heads: generate and chat speculate with one, bench compares them as methods.
+    "lookup": Flag("also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the output and "
+                   "--documents) in the same pass as the heads' tree; in bench, the chain of the lookup and "
+                   "medusa_lookup methods; 0 turns it off", type=non_negative_int, metavar="N",
+                   unset=f"{LOOKUP_TOKENS}, or 0 with a draft model"),
+    "documents": Flag("text files whose tokens prompt lookup also searches (with --lookup)", nargs="+",
+                      metavar="FILE", unset="none"),
+    "draft_model": Flag("a draft model with the base's vocabulary: generate and chat speculate with it instead of "
+                        "the heads; bench adds the draft_model method", metavar="DIR", unset="none"),
+    "self_draft_layers": Flag("a draft made of the model's first N layers (Llama, Qwen2, Gemma): generate and chat "
+                              "speculate with it instead of the heads; bench's self_draft method uses it",
+                              type=positive_int, metavar="N", unset="none; half the model's layers in bench"),
+    "draft_tokens": Flag("draft tokens per step", type=positive_int, metavar="K",
+                         unset="chosen each step from measured acceptance and costs"),
+    "max_draft_tokens": Flag("upper bound of the adaptive number of draft tokens", type=positive_int, metavar="K"),
+    # Training data and measuring heads (train, tree).
+    "data": Flag("conversation JSONL files, as `medusa-spec distill` writes them", nargs="+", metavar="FILE"),
+    "max_length": Flag("tokens per row; longer conversations are truncated", type=int),
+    "batch_size": Flag("rows run through the model at once (distill: decoded together, a finished row taking the "
+                       "next prompt at once; train: per micro-batch and process; tree: per measuring batch)",
+                       type=int),
+    "eval_ranks": Flag("ranks measured per head when evaluating (the tree builder's candidates)", type=int),
+}
+
+
+def add_flag(parser: argparse.ArgumentParser, name: str, default=None, *, required: bool = False,
+             suppress: bool = False) -> None:
+    """Add FLAGS[name] as --name-with-dashes. default: this command's value when the flag is not given (the help
+    says it; None: the flag's `unset` meaning); suppress: an absent flag leaves the namespace without it (the
+    recipe-driven commands fill it from their settings)."""
+    flag = FLAGS[name]
+    if required:
+        help_text = flag.help + " (required)"
+    elif default is None and flag.unset is not None:
+        help_text = f"{flag.help} (default: {flag.unset})"
+    else:
+        help_text = f"{flag.help} (default: {default})"
+    options = dict(default=argparse.SUPPRESS if suppress else default, help=help_text)
+    if required and not suppress:
+        options["required"] = True
+    option = "--" + name.replace("_", "-")
+    if flag.type is bool:
+        parser.add_argument(option, action=argparse.BooleanOptionalAction, **options)
+        return
+    for key in ("type", "choices", "metavar", "nargs"):
+        if getattr(flag, key) is not None:
+            options[key] = getattr(flag, key)
+    parser.add_argument(option, **options)
