@@ -12,6 +12,7 @@ import torch
 
 from .columnwise import columnwise_linears
 from .kv_cache import new_cache
+from .loop import wait_for
 from .propose import Candidates, HostStep, Prompt, StepResult, heads_proposer
 from .slots import prefill
 from .tree import build_tree, grow_tree
@@ -25,16 +26,19 @@ def expected_tokens_per_step(choices, rank_accuracy) -> float:
     return 1.0 + sum(math.prod(rank_accuracy[d][r] for d, r in enumerate(path)) for path in choices)
 
 
-def _fastest_seconds(fns: dict, repeats: int) -> dict:
-    """{key: the fastest of `repeats` runs of fns[key]}. Other work on the machine only ever adds time, so
-    the minimum is the least noisy estimate (a median let one busy moment pick a far too large tree);
-    and the functions take turns, round by round, so a machine that slows down for a while slows them
-    all (timed one after the other, a 16-node verify once came out cheaper than a 4-node one)."""
+def _fastest_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
+    """{key: the fastest of `repeats` runs of fns[key]}, each timed until `device` has run it (a CUDA op returns
+    once queued: without the wait, a time would cover the launches only). Other work on the machine only ever adds
+    time, so the minimum is the least noisy estimate (a median let one busy moment pick a far too large tree); and
+    the functions take turns, round by round, so a machine that slows down for a while slows them all (timed one
+    after the other, a 16-node verify once came out cheaper than a 4-node one)."""
     times = {key: [] for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
+            wait_for(device)
             start = time.perf_counter()
             fn()
+            wait_for(device)
             times[key].append(time.perf_counter() - start)
     return {key: min(seconds) for key, seconds in times.items()}
 
@@ -84,8 +88,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
             proposer.update(steps[n])
             proposer.propose(root)
 
-        latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats)
-        draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats)
+        latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device)
+        draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats, device)
         return latency, draft_seconds
 
 

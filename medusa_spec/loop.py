@@ -67,11 +67,16 @@ class StepTimer:
         self.steps += stage == "verify"
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elif self.device.type != "cpu":  # mps, xpu: their ops, too, return before they have run
-            getattr(torch, self.device.type).synchronize()
+        wait_for(self.device)
         return time.perf_counter()
+
+
+def wait_for(device: torch.device) -> None:
+    """Return once `device` has run every op queued on it: before reading a clock, so a time covers the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu":  # mps, xpu: their ops, too, return before they have run; CPU ops are done
+        getattr(torch, device.type).synchronize()
 
 
 def _no_lap(stage: str) -> None:
