@@ -58,7 +58,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         device = base.get_output_embeddings().weight.device
         ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
         valid = torch.ones_like(ids, dtype=torch.bool)
-        _, hidden, slots = prefill(base, spec, ids, valid, new_cache())
+        layers = getattr(mm.heads, "feature_layers", ())
+        _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)
         root = ids[:, -1]  # any token: only the costs count
         prompt = Prompt(ids, valid, hidden, root, None)
         keep_nothing = torch.zeros(1, 0, dtype=torch.long, device=device)
@@ -68,7 +69,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
             """As the decoding loop verifies, then commits nothing: the cache stays at `context`."""
             q_pos, kv_valid, kv_pos = slots.verify_inputs(candidates.tree.depth)
             _, verified = forward_block(base, spec, candidates.node_tokens, q_pos, candidates.tree.tree_mask,
-                                        slots.cache, kv_valid, kv_pos)
+                                        slots.cache, kv_valid, kv_pos, feature_layers=layers)
             slots.commit(keep_nothing, no_rows, no_rows)
             return verified
 

@@ -26,6 +26,8 @@ class BaseSpec:
     bool_mask: bool           # sdpa takes a boolean mask; eager adds a float mask to its scores
     takes_logits_to_keep: bool
     name_or_path: str | None
+    num_layers: int | None = None   # decoder layers: hidden_states has num_layers + 1 entries, the last one final
+    layer_width: int | None = None  # width of the decoder layers' hidden states
 
 
 class UnsupportedModelError(ValueError):
@@ -74,6 +76,8 @@ def inspect_base_model(base_model: nn.Module) -> BaseSpec:
         bool_mask=attn == "sdpa",
         takes_logits_to_keep="logits_to_keep" in params,
         name_or_path=getattr(config, "_name_or_path", None) or None,
+        num_layers=getattr(text_config, "num_hidden_layers", None),
+        layer_width=getattr(text_config, "hidden_size", None),
     )
 
 

@@ -40,6 +40,9 @@ class MedusaConfig:
     draft_vocab_size: int | None = None
     # Attention heads of the context layer the heads read through (see context.py); 0 = no context layer.
     context_heads: int = 0
+    # Layers of the base (i: decoder layer i's output, 0: the embeddings) whose hidden states the heads read beside
+    # the final one, added through a learned projection (EAGLE-3's low / middle / high-layer features); [] = none.
+    feature_layers: list[int] = field(default_factory=list)
     base_model_name_or_path: str | None = None
     # Default tree for generate(), as Medusa "choices" (rank paths); None = a built-in default.
     tree: list[list[int]] | None = None
@@ -74,6 +77,13 @@ class MedusaConfig:
         if self.context_heads and self.hidden_size and self.hidden_size % self.context_heads:
             raise ValueError(f"MedusaConfig.context_heads ({self.context_heads}) must divide hidden_size "
                              f"({self.hidden_size}), e.g. {max(1, self.hidden_size // 64)}")
+        layers = self.feature_layers
+        is_index = [isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers] \
+            if isinstance(layers, (list, tuple)) else [False]
+        if not all(is_index) or len(set(layers)) < len(layers):
+            raise ValueError(f"MedusaConfig.feature_layers must be distinct layer indices >= 0 (e.g. [8, 16]), "
+                             f"got {layers!r}")
+        self.feature_layers = sorted(layers)
         if self.tree is not None:
             self.tree = [list(map(int, path)) for path in self.tree]
         if self.weights_sha256 is not None and not (isinstance(self.weights_sha256, str)

@@ -296,6 +296,10 @@ def _refuse_unsupported(config: MedusaConfig, path, format_name: str, token_map_
     if config.context_heads:
         raise ValueError(f"{path}: {format_name} has no context layer (context_heads > 0); keep these heads in "
                          f"medusa_spec's format (--to medusa_spec)")
+    if config.feature_layers:
+        raise ValueError(f"{path}: {format_name} heads read the final hidden state only, not other layers' "
+                         f"(feature_layers {config.feature_layers}); keep these heads in medusa_spec's format "
+                         f"(--to medusa_spec)")
     if config.draft_vocab_size is not None and not token_map_ok:
         raise ValueError(f"{path}: {format_name} has no reduced draft vocabulary (token_map); export with --to vllm, "
                          f"which has one, or train heads with the full vocabulary")

@@ -9,12 +9,16 @@ Two head types share everything but their input:
 Optionally the heads read a context layer's output instead of h_t (`context`: attention over the text
 so far, see context.py; the callers apply it, as it needs the whole sequence or its cache).
 
+Optionally the heads read more than the final state (`feature_layers`, EAGLE-3's feature fusion): the hidden
+states of some decoder layers, each scaled to unit RMS, are projected and added to it. The projection starts at
+zero, so such heads start as plain ones; the callers pass the states concatenated (see `features`).
+
 Optionally the heads score a reduced draft vocabulary (`token_map`: the draft index -> token id of
 the most frequent tokens); verification still uses the full vocabulary, so output is unchanged.
 
 Weight names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight`, `lm_heads.{h}.weight`,
 `token_map`) so exporting plain heads is a rename-free copy; dependent heads add `inputs.{h}`, a context
-layer `context.*`.
+layer `context.*`, feature fusion `fuse`.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class MedusaHeads(nn.Module):
     """`num_heads` heads; head k predicts the token k + 2 positions ahead of its input state."""
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, share_lm_head: bool,
-                 head_type: str = "medusa", draft_vocab_size: int | None = None, context_heads: int = 0):
+                 head_type: str = "medusa", draft_vocab_size: int | None = None, context_heads: int = 0,
+                 feature_layers: tuple[int, ...] = ()):
         super().__init__()
         if head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {', '.join(HEAD_TYPES)}, got {head_type!r}")
@@ -62,6 +67,11 @@ class MedusaHeads(nn.Module):
                 nn.init.zeros_(layer.weight)
                 nn.init.zeros_(layer.bias)
         self.context = ContextLayer(hidden_size, context_heads) if context_heads else None
+        self.feature_layers = tuple(feature_layers)
+        self.fuse = nn.Linear(len(feature_layers) * hidden_size, hidden_size) if feature_layers else None
+        if self.fuse is not None:
+            nn.init.zeros_(self.fuse.weight)
+            nn.init.zeros_(self.fuse.bias)
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers) for _ in range(num_heads))
         out_size = draft_vocab_size or vocab_size
         # With a shared LM head the heads own no vocabulary matrix; the base's is passed to forward()
@@ -105,6 +115,16 @@ class MedusaHeads(nn.Module):
         with torch.no_grad():
             for lm_head in self.lm_heads:
                 lm_head.weight.copy_(weight)
+
+    def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The base's states [..., (1 + n) H] (the final one, then those of the n feature_layers; see
+        base_features) -> the heads' input [..., H]: the final state plus the projection of the others, each at
+        unit RMS (a layer's residual stream grows with depth, the final state is normed)."""
+        if self.fuse is None:
+            return hidden_states
+        width = self.fuse.out_features
+        layers = hidden_states[..., width:].unflatten(-1, (len(self.feature_layers), width))
+        return hidden_states[..., :width] + self.fuse(unit_rms(layers).flatten(-2))
 
     def token_ids(self, draft_indices: torch.Tensor) -> torch.Tensor:
         """Indices into the heads' logits -> token ids of the base vocabulary."""

@@ -225,7 +225,8 @@ def expected_shapes(config: MedusaConfig, source) -> dict[str, torch.Size]:
     with torch.device("meta"):
         # A shared LM head is the base model's: the heads hold nothing vocabulary-sized, so 0 stands in.
         heads = MedusaHeads(config.hidden_size, config.vocab_size or 0, config.num_heads, config.num_layers,
-                            config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads)
+                            config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
+                            config.feature_layers)
     return {name: tensor.shape for name, tensor in heads.state_dict().items()}
 
 

@@ -189,7 +189,7 @@ class WithLookup(Proposer):
 
     def __init__(self, proposer: Proposer, documents: list[list[int]], chain_length: int):
         self.proposer, self.documents, self.chain_length = proposer, documents, chain_length
-        self.modules = proposer.modules
+        self.modules, self.feature_layers = proposer.modules, proposer.feature_layers
         self.max_depth = max(proposer.max_depth, chain_length)
         self.merged_trees: dict[int, Tree] = {}  # chain length -> the proposer's tree with that chain
 

@@ -125,7 +125,8 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
-        logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position)
+        layers = proposer.feature_layers
+        logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position, layers)
         root = draw_targets(logits, sampling)[:, -1]
         count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
         stats.steps = 1
@@ -143,7 +144,7 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
             q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
             logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
-                                           kv_pos)
+                                           kv_pos, feature_layers=layers)
             lap("verify")
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
             last_node, accept_length, bonus = accept_candidates(candidates, logits, sampling)

@@ -59,7 +59,8 @@ class MedusaModel(nn.Module):
         if config.tree is not None:
             build_tree(config.tree, config.num_heads)  # validate now, not at the first generate()
         heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
-                            config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads)
+                            config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
+                            config.feature_layers)
         heads.init_projections_from(base_model.get_output_embeddings())
         device, dtype = model_device_dtype(base_model)
         heads = heads.to(device=device, dtype=dtype)
@@ -168,6 +169,15 @@ class MedusaModel(nn.Module):
 
 
 def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:
+    layers = config.feature_layers
+    if layers and spec.num_layers is not None and max(layers) >= spec.num_layers:
+        raise ValueError(f"{source}: feature_layers {layers} name layers the base model lacks: it has "
+                         f"{spec.num_layers} decoder layers, so use 0 (the embeddings) to {spec.num_layers - 1} (the "
+                         f"last layer's output is the final state, which the heads read anyway)")
+    if layers and spec.layer_width != spec.hidden_size:
+        raise ValueError(f"{source}: feature_layers needs decoder states as wide as the LM head's input, but this base "
+                         f"model's layers are {spec.layer_width} wide and its LM head reads {spec.hidden_size}; "
+                         f"use heads without feature_layers on it")
     for name, expected in (("hidden_size", spec.hidden_size), ("vocab_size", spec.vocab_size)):
         got = getattr(config, name)
         if got is not None and got != expected:

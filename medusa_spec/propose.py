@@ -42,7 +42,8 @@ class Candidates:
 @dataclass(frozen=True)
 class Prompt:
     """What prefill leaves for a proposer's start: input_ids / attention_mask [B, S] (left-padded, bool),
-    the base model's final hidden states [B, S, H], the first root [B], the highest position to use."""
+    the base model's final hidden states [B, S, H] (then those of the proposer's feature_layers), the first
+    root [B], the highest position to use."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -65,7 +66,8 @@ class HostStep:
 class StepResult:
     """What one verify pass decided, for a proposer's update.
 
-    hidden [B, N, H]: the base model's final hidden states at every node; last_node, accept_length [B]
+    hidden [B, N, H]: the base model's final hidden states at every node (then those of the proposer's
+    feature_layers); last_node, accept_length [B]
     (bonus not counted); kept [B, m]: each row's root and accepted nodes (then repeats), m = the longest
     row's accept_length + 1; new_tokens [B, m]: the accepted tokens then the bonus; active [B]: rows that
     were generating in the step; going [B]: rows still generating after it.
@@ -85,10 +87,12 @@ class StepResult:
 class Proposer:
     """The contract (a base class with the trivial parts): `modules` the proposer runs (the loop computes
     their few rows column-wise and holds them in eval mode; a model's position limit also caps the
-    positions), `max_depth` the deepest candidate it may propose."""
+    positions), `max_depth` the deepest candidate it may propose, `feature_layers` the base model's layers
+    whose hidden states it reads beside the final one (verify.base_features)."""
 
     modules: tuple[nn.Module, ...] = ()
     max_depth: int = 0
+    feature_layers: tuple[int, ...] = ()
 
     def start(self, prompt: Prompt) -> None:
         """Once, after prefill."""
@@ -116,27 +120,31 @@ class RootOnly(Proposer):
 
 class HeadsProposer(Proposer):
     """Medusa heads (plain or dependent) on a MedusaTree. They read only the last accepted node's state:
-    the base model's final hidden state there, or the context layer's output (its keys and values kept
-    across steps, growing by each step's accepted slots)."""
+    the base model's final hidden state there (fused with other layers' with feature_layers), or the context
+    layer's output (its keys and values kept across steps, growing by each step's accepted slots)."""
 
     def __init__(self, base_model: nn.Module, heads: nn.Module, tree: MedusaTree):
         self.base_model, self.heads, self.layout = base_model, heads, tree
         self.modules = (heads,)
         self.max_depth = tree.max_depth
-        self.context = getattr(heads, "context", None)  # heads may be any module with the MedusaHeads interface
+        # heads may be any module with the MedusaHeads interface; one without feature layers reads the final state.
+        self.context = getattr(heads, "context", None)
+        self.feature_layers = getattr(heads, "feature_layers", ())
+        self.features = getattr(heads, "features", lambda hidden: hidden)
 
     def start(self, prompt: Prompt) -> None:
         self.layout = self.layout.to(prompt.root.device)
         if self.context is None:
-            self.state = prompt.hidden[:, -1]
+            self.state = self.features(prompt.hidden[:, -1])
             return
         # The context layer takes every prompt position with its token and the token after it, the last one
         # with the root.
         embed = self.base_model.get_input_embeddings()
         input_ids = prompt.input_ids
         self.context_cache, self.state = self.context.extend(
-            None, prompt.hidden, embed(input_ids), embed(torch.cat([input_ids[:, 1:], prompt.root[:, None]], dim=1)),
-            prompt.attention_mask, torch.full_like(prompt.root, input_ids.shape[1] - 1))
+            None, self.features(prompt.hidden), embed(input_ids),
+            embed(torch.cat([input_ids[:, 1:], prompt.root[:, None]], dim=1)), prompt.attention_mask,
+            torch.full_like(prompt.root, input_ids.shape[1] - 1))
 
     def propose(self, root: torch.Tensor) -> Candidates:
         return Candidates(draft_with_heads(self.heads, self.base_model, root, self.state, self.layout), self.layout)
@@ -144,14 +152,15 @@ class HeadsProposer(Proposer):
     def update(self, step: StepResult) -> None:
         hidden = step.hidden
         if self.context is None:
-            self.state = hidden.gather(1, step.last_node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+            self.state = self.features(
+                hidden.gather(1, step.last_node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0])
             return
         # The kept slots: root and accepted nodes, each with the token after it (the last: the bonus).
         embed = self.base_model.get_input_embeddings()
         kept = step.kept
         offsets = torch.arange(kept.shape[1], device=kept.device)
         self.context_cache, self.state = self.context.extend(
-            self.context_cache, hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1])),
+            self.context_cache, self.features(hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1]))),
             embed(step.candidates.node_tokens.gather(1, kept)), embed(step.new_tokens),
             offsets < (step.accept_length + 1)[:, None], step.accept_length)
 

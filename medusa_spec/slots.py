@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from .base import BaseSpec, model_device_dtype
 from .kv_cache import check_cache, keep_accepted
-from .verify import attention_masks, forward_block
+from .verify import attention_masks, base_features, forward_block
 
 
 def last_position(model: nn.Module, attention_mask: torch.Tensor, max_new_tokens: int) -> int | None:
@@ -89,11 +89,13 @@ class Slots:
 
 
 def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            cache: DynamicCache, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Slots]:
+            cache: DynamicCache, max_position: int | None = None,
+            feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, Slots]:
     """The prompt as a chain into `cache`: returns (last logits [B, 1, V], final hidden states [B, S, H], Slots);
-    padding slots are invalid and positions count only real tokens.
+    padding slots are invalid and positions count only real tokens. With feature_layers, those layers' states
+    follow the final one ([B, S, (1 + n) H], see verify.base_features).
 
-    Only the final hidden states are kept: all but the last token go through the decoder body
+    Only the states asked for are kept: all but the last token go through the decoder body
     (`model.base_model`, whose output is the LM head's input), the last one through the whole model,
     whose logits are its own (softcapping or scaling included); asking the whole model for the prompt's
     hidden states would hold every layer's, S x layers x H per row.
@@ -105,16 +107,17 @@ def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention
     body = model.base_model
     if body is model:  # no separate decoder body to run: the whole prompt in one pass
         logits, hidden = forward_block(model, spec, input_ids, slot_pos, causal, cache, slot_valid, slot_pos,
-                                       last_only=True)
+                                       last_only=True, feature_layers=feature_layers)
     else:
         leading = []
         if prompt_length > 1:
             mask = attention_masks(spec, slot_valid[:, :-1], slot_pos[:, :-1], slot_pos[:, :-1], causal[:-1, :-1],
                                    model_device_dtype(model)[1])
-            leading = [body(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=slot_pos[:, :-1],
-                            cache=cache, use_cache=True, return_dict=True).last_hidden_state]
+            out = body(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=slot_pos[:, :-1], cache=cache,
+                       use_cache=True, output_hidden_states=bool(feature_layers), return_dict=True)
+            leading = [base_features(out.hidden_states, feature_layers) if feature_layers else out.last_hidden_state]
         logits, last = forward_block(model, spec, input_ids[:, -1:], slot_pos[:, -1:], causal[-1:, -1:], cache,
-                                     slot_valid, slot_pos)
+                                     slot_valid, slot_pos, feature_layers=feature_layers)
         hidden = torch.cat([*leading, last], dim=1)
     check_cache(cache, prompt_length)
     return logits, hidden, Slots(cache, slot_valid, slot_pos, slot_pos[:, -1] + 1, max_position, prompt_length)

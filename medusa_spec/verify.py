@@ -60,12 +60,13 @@ def model_mask(allowed: torch.Tensor, bool_mask: bool, dtype: torch.dtype) -> to
 
 def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, q_pos: torch.Tensor,
                   block_mask: torch.Tensor, cache: DynamicCache, kv_valid: torch.Tensor, kv_pos: torch.Tensor,
-                  last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  last_only: bool = False, feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the base model on input_ids [B, N] at positions q_pos [B, N] after the cached slots.
 
     kv_valid / kv_pos [B, S + N] describe the cached slots followed by the new ones.
     Returns (logits [B, N or 1, V], hidden [B, N, H]) where hidden is the final hidden state
-    after the model's last norm; the new keys and values are appended to `cache`.
+    after the model's last norm (with feature_layers, followed by those layers' states: see base_features);
+    the new keys and values are appended to `cache`.
     The decoding loops call it inside columnwise_linears: a tree's few rows then cost about what
     one row does on CPU (see columnwise).
     """
@@ -75,4 +76,12 @@ def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor
     out = base_model(input_ids=input_ids, attention_mask=mask, position_ids=q_pos, cache=cache, use_cache=True,
                      output_hidden_states=True, return_dict=True, **extra)
     logits = out.logits[:, -1:] if last_only else out.logits
-    return logits, out.hidden_states[-1]
+    return logits, base_features(out.hidden_states, feature_layers)
+
+
+def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers: tuple[int, ...]) -> torch.Tensor:
+    """A transformers output's hidden_states (the embeddings, then each decoder layer's output, the last one
+    after the final norm) -> the final state [..., H], followed by feature_layers' states: [..., (1 + n) H]."""
+    if not feature_layers:
+        return hidden_states[-1]
+    return torch.cat([hidden_states[-1], *(hidden_states[i] for i in feature_layers)], dim=-1)

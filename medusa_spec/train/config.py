@@ -25,6 +25,9 @@ class TrainConfig:
                             "embeddings of the tokens on the path before their guess", choices=HEAD_TYPES)
     context_heads: int = option(0, "attention heads of a context layer the heads read through (attention over the "
                                 "text so far, with each position's next token; e.g. hidden_size / 64); 0: none")
+    feature_layers: list[int] = option([], "decoder layers (1 = the first; 0 = the embeddings) whose hidden states the "
+                                       "heads read beside the final one, through a learned projection (EAGLE-3's "
+                                       "feature fusion; e.g. a low and a middle layer: 8 16 of 30); default: none")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
                                      "(a token map saved with them); default: the full vocabulary")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")

@@ -70,7 +70,8 @@ def train(cfg: TrainConfig) -> dict:
     medusa = MedusaModel.from_base(base_model, MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                                             share_lm_head=cfg.share_lm_head, head_type=cfg.head_type,
                                                             draft_vocab_size=cfg.draft_vocab,
-                                                            context_heads=cfg.context_heads))
+                                                            context_heads=cfg.context_heads,
+                                                            feature_layers=cfg.feature_layers))
     heads = medusa.heads.float()
     draft_targets, vocab_summary = None, {}
     if cfg.draft_vocab is not None:
@@ -104,7 +105,7 @@ def train(cfg: TrainConfig) -> dict:
 
     cache = None
     if cfg.cache_hidden:
-        shape = (len(train_rows), cfg.max_length, spec.hidden_size)
+        shape = (len(train_rows), cfg.max_length, spec.hidden_size * (1 + len(cfg.feature_layers)))
         if accelerator.is_main_process:
             reset_if_stale(output_dir / "hidden_cache", fingerprint(train_rows, cfg.model, dtype), shape, dtype)
         accelerator.wait_for_everyone()

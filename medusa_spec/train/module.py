@@ -7,13 +7,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..verify import model_mask
+from ..verify import base_features, model_mask
 from .loss import heads_loss
 
 
 class Outputs(NamedTuple):  # a NamedTuple: DDP finds the tensors in it
     head_states: torch.Tensor            # [B, T, K, H], before the heads' vocabulary projection
-    hidden: torch.Tensor                 # [B, T, H], the base's final hidden state
+    hidden: torch.Tensor                 # [B, T, H], the base's final hidden state (then the heads' feature_layers')
     base_logits: torch.Tensor | None     # [B, T, V], when asked for
     teacher_logits: torch.Tensor | None  # [B, T, V] with the LoRA adapter disabled, when asked for
     heads_loss: tuple[torch.Tensor, torch.Tensor] | None  # (loss, per-head CE [K]), when a loss_mask is given
@@ -47,7 +47,8 @@ class TrainModule(nn.Module):
     def forward(self, input_ids, position_ids, segment_ids, hidden=None, base_logits=False, teacher_logits=False,
                 train_base=False, greedy_paths=False, loss_mask=None, draft_targets=None, soft_targets=False,
                 decay=0.8) -> Outputs:
-        """hidden: cached final hidden states (then the base does not run; base_logits must be False).
+        """hidden: cached hidden states, as Outputs.hidden holds them (then the base does not run; base_logits must
+        be False).
         train_base: let gradients reach the base (the LoRA weights); else the heads read a detached state.
         Dependent heads read the data's next tokens as their path (teacher forcing), or with
         greedy_paths (needs base_logits) the base model's own greedy tokens, as at decoding time.
@@ -64,7 +65,8 @@ class TrainModule(nn.Module):
             keep = {"logits_to_keep": 1} if not base_logits and self.takes_logits_to_keep else {}
             with torch.set_grad_enabled(train_base and torch.is_grad_enabled()):
                 out = self.base_model(**inputs, output_hidden_states=True, **keep)
-            hidden, logits = out.hidden_states[-1], (out.logits if base_logits else None)
+            hidden = base_features(out.hidden_states, self.heads.feature_layers)
+            logits = out.logits if base_logits else None
         if teacher_logits:
             with torch.no_grad(), self.base_model.disable_adapter():
                 teacher = self.base_model(**inputs).logits
@@ -74,7 +76,7 @@ class TrainModule(nn.Module):
             # next_ids[:, t] is the token after position t: the first token of head paths read at t.
             next_ids = logits.argmax(-1) if greedy_paths else torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
             next_embeds = embed(next_ids).detach().to(hidden.dtype)
-        states = hidden if train_base else hidden.detach()
+        states = self.heads.features(hidden if train_base else hidden.detach())
         if self.heads.context is not None:
             states = self.heads.context(states, embed(input_ids).detach().to(hidden.dtype), next_embeds,
                                         causal_within_examples(segment_ids))
@@ -84,7 +86,8 @@ class TrainModule(nn.Module):
             projections = [self.heads.projection(k, lm_head) for k in range(self.heads.num_heads)]
             loss = heads_loss(head_states, projections, input_ids, loss_mask, segment_ids, decay,
                               None if draft_targets is None else draft_targets[input_ids],
-                              self.base_logits_for_heads(hidden.detach()) if soft_targets else None)
+                              self.base_logits_for_heads(hidden[..., : lm_head.weight.shape[1]].detach())
+                              if soft_targets else None)
         return Outputs(head_states, hidden, logits, teacher, loss)
 
     @torch.no_grad()

@@ -18,7 +18,10 @@ from ..flags import add_flag
 
 def option(default, help: str, **extra):
     """A config field with its --help text; extra: required=True, choices=(...)."""
-    return dataclasses.field(default=default, metadata={"help": help, **extra})
+    metadata = {"help": help, **extra}
+    if isinstance(default, list):  # a fresh list per instance
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def shared(default, **extra):
@@ -36,12 +39,16 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
         kind = hints[f.name]
         if typing.get_origin(kind) is not list:  # X | None -> X
             kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        help_text = f.metadata["help"] + ("" if f.metadata.get("required") else f" (default: {f.default})")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        help_text = f.metadata["help"] + ("" if f.metadata.get("required") else f" (default: {default})")
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         elif typing.get_origin(kind) is list:
-            parser.add_argument(flag, nargs="+", metavar="FILE", default=argparse.SUPPRESS, help=help_text)
+            item = typing.get_args(kind)[0]
+            numbers = item is int  # numbers may be none (an empty list); files, at least one
+            parser.add_argument(flag, nargs="*" if numbers else "+", type=item, metavar="N" if numbers else "FILE",
+                                default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag, type=kind, choices=f.metadata.get("choices"), default=argparse.SUPPRESS,
                                 help=help_text)
