@@ -214,3 +214,31 @@ def test_sampling_follows_the_models_generation_config_unless_a_flag_is_given(tm
     assert plain_calls[-1] == (True, 0.5, 7)
     err = capsys.readouterr().err
     assert "speed-up" in err and "identical" not in err
+
+
+@pytest.mark.parametrize("cpu", [{"avx2", "fma"}, {"avx512f", "avx512_bf16"}, {"amx_bf16"}], ids=str)
+def test_distill_loads_bf16_only_on_a_cpu_that_computes_it(tmp_path, monkeypatch, cpu):
+    """Without --dtype, distill takes bf16 where the CPU has bf16 instructions; elsewhere torch emulates bf16, far
+    slower than fp32 (an AVX2 EPYC answered at a few tokens/s in bf16), so it takes fp32."""
+    import json
+
+    import medusa_spec.train.cli
+    from medusa_spec import flags
+
+    monkeypatch.setattr(flags, "cpu_flags", lambda: cpu)
+    loaded = []
+    load = medusa_spec.train.cli.load_model_and_tokenizer
+
+    def recording_load(path, dtype, plain_text):
+        loaded.append(dtype)
+        return load(path, dtype, plain_text)
+
+    monkeypatch.setattr(medusa_spec.train.cli, "load_model_and_tokenizer", recording_load)
+    path = save_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w9"}))
+    out = tmp_path / "out.jsonl"
+    assert main(["distill", "--model", str(path), "--prompts", str(prompts), "--output", str(out), "--device", "cpu",
+                 "--max-new-tokens", "4"]) == 0
+    assert loaded == ["bfloat16" if cpu & {"avx512_bf16", "amx_bf16"} else "float32"]
+    assert len(out.read_text().splitlines()) == 1

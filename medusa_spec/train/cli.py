@@ -10,7 +10,7 @@ from accelerate import Accelerator
 
 from .. import default_model
 from ..base import inspect_base_model
-from ..flags import add_flag, default_device
+from ..flags import add_flag, default_device, fast_dtype
 from ..model import MedusaModel
 from .config import TrainConfig
 from .data import make_rows, parse_prompt_spec, read_conversations, read_prompts, tokenize_conversation
@@ -33,8 +33,10 @@ def run_distill(args) -> int:
         print(json.dumps(distill_via_server(prompts, cfg)))
         return 0
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(cfg.model or default_model.prepare(), cfg.dtype, cfg.plain_text)
-    model.to(cfg.device or default_device())
+    device = cfg.device or default_device()
+    model, tokenizer = load_model_and_tokenizer(cfg.model or default_model.prepare(), cfg.dtype or fast_dtype(device),
+                                                cfg.plain_text)
+    model.to(device)
     print(json.dumps(distill(model, tokenizer, prompts, cfg)))
     return 0
 

@@ -59,9 +59,10 @@ class DistillConfig:
     prompt_temperature: float = option(1.0, "sampling temperature of model-written prompts and follow-ups, drawn "
                                             "from the whole distribution (--top-k and --top-p are the answers')")
     chunk_size: int = option(2000, "conversations per gzipped chunk of an output folder")
-    # bf16 by default: 1.5x the answer tokens/s of fp32 on this project's CPU (scripts/bench_distill.py) and the
-    # usual GPU dtype; the answers are the model's own up to bf16 rounding.
-    dtype: str = shared("bfloat16")
+    # None: bf16 where the device computes it natively (flags.fast_dtype): 1.5x the answer tokens/s of fp32 on an
+    # AVX512-BF16 CPU (scripts/bench_distill.py) and the usual GPU dtype, while a CPU without it emulates bf16 far
+    # slower than fp32. The answers are the model's own up to bf16 rounding.
+    dtype: str | None = shared(None)
     device: str | None = shared(None)
     plain_text: bool = shared(False)
     server: str | None = option(None, "answer through an OpenAI-compatible server at this URL (vLLM, SGLang, "

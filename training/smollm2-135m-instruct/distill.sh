@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Stage 1 of the SmolLM2-135M-Instruct heads recipe: self-distilled answers (greedy, bf16 weights)
-# into a folder of gzipped chunks in this repository, so any machine continues it.
+# Stage 1 of the SmolLM2-135M-Instruct heads recipe: self-distilled answers (greedy; bf16 weights where the
+# CPU or GPU computes bf16 natively, else fp32) into a folder of gzipped chunks in this repository, so any
+# machine continues it.
 # Round 1 answers every prompt pool in shared/data/train (GSM8K capped: the pools are mostly math
 # otherwise; duplicates across pools are answered once); round 2 has the model write its own user
 # prompts (Magpie) and answers those. A share of single-turn conversations gets a model-written
@@ -17,7 +18,7 @@ POOLS=()
 for f in "$TRAIN"/*.jsonl; do
   case $(basename "$f") in gsm8k_train.jsonl) POOLS+=("$f:2000");; *) POOLS+=("$f");; esac
 done
-COMMON=(--model "$MODEL" --output "$OUT" --dtype bfloat16 --batch-size 64 --max-new-tokens 512
+COMMON=(--model "$MODEL" --output "$OUT" --batch-size 64 --max-new-tokens 512
         --max-prompt-tokens 640 --follow-ups 0.25)
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" --self-prompts "$SELF" "$@"
