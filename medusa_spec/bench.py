@@ -36,22 +36,24 @@ STEP_STAGES = StepTimer.STAGES[1:]  # a step's stages; prefill, once per prompt,
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_question.jsonl"
 
 
-def read_eval_prompts(path: str | Path, per_category: int | None = None) -> list[tuple[str, str]]:
-    """(category, first turn) of an MT-bench-shaped JSONL file (`turns`, optional `category`)."""
+def read_eval_prompts(specs: str | Path | list, per_category: int | None = None,
+                      prompt_field: str | None = None) -> list[tuple[str, str]]:
+    """(category, first turn) of the prompts of --prompts FILE[:N] ... (one path, or a list of them), each file read
+    as distill reads it (train/data.py: any prompt shape it knows; FILE:N, its first N prompts); the category is the
+    record's `category` (MT-bench's), else the file's name without .jsonl; at most `per_category` per category."""
+    from .train.data import parse_prompt_spec, read_prompts  # here: the train package imports flags, which imports us
+
+    specs = [specs] if isinstance(specs, (str, Path)) else specs
     prompts, seen = [], defaultdict(int)
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        turns = record.get("turns") if isinstance(record, dict) else None
-        if not turns or not isinstance(turns[0], str):
-            raise ValueError(f"{path}:{number}: expected a JSON object with a `turns` list of strings (MT-bench shape)")
-        category = str(record.get("category", "all"))
-        if per_category is None or seen[category] < per_category:
-            seen[category] += 1
-            prompts.append((category, turns[0]))
+    for spec in specs:
+        path, limit = parse_prompt_spec(str(spec))
+        for prompt in read_prompts(path, prompt_field, limit):
+            category = prompt.category or path.name.removesuffix(".jsonl")
+            if per_category is None or seen[category] < per_category:
+                seen[category] += 1
+                prompts.append((category, prompt.turns[0]))
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise ValueError(f"{' '.join(map(str, specs))}: no prompts")
     return prompts
 
 

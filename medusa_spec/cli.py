@@ -159,6 +159,7 @@ def generate(args) -> int:
         with torch.inference_mode():
             base.generate(ids.to(args.device), max_new_tokens=2, do_sample=False)
         mm.generate(ids, max_new_tokens=4, tree=args.tree)
+    torch.manual_seed(args.seed)  # after the warm-up, which may sample too: the same seed, the same sampled text
     out = speculate(ids, TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
     stats = out.stats
     print("\n" + _stats_line(stats), file=sys.stderr)
@@ -183,6 +184,7 @@ def chat(args) -> int:
         raise ValueError(f"{args.model or default_model.MODEL_NAME} has no chat template; use `medusa-spec generate`")
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    torch.manual_seed(args.seed)  # the same seed and the same user turns: the same conversation
     while True:
         try:
             text = input("> ").strip()
@@ -216,24 +218,24 @@ def run_bench(args) -> int:
             print(f"[self_draft left out: it supports {', '.join(SELF_DRAFT_FAMILIES)} models]", file=sys.stderr)
     drafts = bench.draft_models(mm.base_model, methods, args.self_draft_layers,
                                 load_draft_model(args) if "draft_model" in methods else None)
-    prompts = bench.read_eval_prompts(args.prompts, args.per_category)[: args.limit]
+    prompts = bench.read_eval_prompts(args.prompts, args.per_category, args.prompt_field)[: args.limit]
     records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, methods, seed=args.seed,
                           drafts=drafts, lookup_tokens=lookup)
     heads = _heads_path(args)
     meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(heads) if heads else None,
-            "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "tree": args.tree,
             "methods": list(methods), "lookup_tokens": lookup, "self_draft_layers": args.self_draft_layers,
             "draft_model": args.draft_model, "tree_auto_table": getattr(args, "tree_table", None),
             "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype}
-    report = bench.write_report(records, args.out, meta)
+    report = bench.write_report(records, args.output, meta)
     print(bench.markdown(report["summary"]))
     plot = ", bench.png" if report["plotted"] else " (pip install matplotlib for bench.png)"
-    print(f"wrote {args.out}/bench.json, bench.md{plot}")
+    print(f"wrote {args.output}/bench.json, bench.md{plot}")
     return 0
 
 
 def run_convert(args) -> int:
-    convert(args.src, args.dst, to=args.to, base_model=args.base_model)
+    convert(args.src, args.dst, to=args.to, base_model=args.model)
     print(f"wrote {args.to} heads to {args.dst}")
     return 0
 
@@ -264,7 +266,7 @@ def _add_sampling_options(parser) -> None:
 
 
 def _add_seed_option(parser) -> None:
-    """demo, bench (and distill, train)."""
+    """demo, generate, chat, bench (and distill, train)."""
     add_flag(parser, "seed", 0)
 
 
@@ -296,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_decoding_options(p)
     _add_sampling_options(p)
+    _add_seed_option(p)
     _add_proposer_options(p)
     _add_speculation_options(p)
     p.add_argument("--compare", action="store_true", help="also run transformers generate and print the speed-up")
@@ -305,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_decoding_options(p)
     _add_sampling_options(p)
+    _add_seed_option(p)
     _add_proposer_options(p)
     _add_speculation_options(p)
     add_flag(p, "system_prompt")
@@ -315,12 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding_options(p)
     _add_proposer_options(p)
     _add_seed_option(p)
-    p.add_argument("--prompts", default=str(bench.MT_BENCH),
-                   help="MT-bench-shaped JSONL, first turns are used (default: MT-bench's 80 questions, shipped)")
+    add_flag(p, "prompts", [str(bench.MT_BENCH)], default_help="MT-bench's 80 questions, shipped")
+    add_flag(p, "prompt_field")
     p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="only the first N prompts (after --per-category), for a quick run")
-    p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
+    add_flag(p, "output", "bench-results", aliases=("--out",))
     p.add_argument("--methods", nargs="+", choices=bench.METHODS, default=None,
                    help="methods to compare (default: every method that needs no extra model, and draft_model "
                         "with --draft-model)")
@@ -334,9 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="folder holding the heads, in any of the formats (detected from its files)")
     p.add_argument("dst", help="folder to write; files of the target format there are replaced")
     p.add_argument("--to", required=True, choices=FORMATS, help="format to write")
-    p.add_argument("--base-model", default=None, metavar="PATH",
-                   help="the base model's folder: needed for --to vllm when the heads share the base LM head; "
-                        "checked against the heads")
+    add_flag(p, "model", default_help="none: needed for --to vllm when the heads share the base LM head, which is "
+                                      "copied from it; when given, the heads are checked against it",
+             aliases=("--base-model",))
     p.set_defaults(func=run_convert)
     return parser
 

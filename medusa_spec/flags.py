@@ -1,7 +1,8 @@
 """Command-line options that several `medusa-spec` subcommands take, each defined once: flag, type, help, and what
 it means when it is not given. cli.py adds them to demo, generate, chat and bench; the distill and train settings
 (train/options.py `shared`) and the tree command name them too, so `distill --temperature` is `generate
---temperature`. A command chooses only its default value (`--max-new-tokens` 128 to generate, 512 to distill)."""
+--temperature`. A command chooses only its default value (`--max-new-tokens` 128 to generate, 512 to distill), and may
+keep an old spelling working as a hidden alias (`bench --out`, `train --output-dir`: now `--output`)."""
 
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ FLAGS = {
                   unset=_FROM_GENERATION_CONFIG.format("50")),
     "top_p": Flag("sample among the most likely tokens whose probabilities sum to P, 1.0: all", type=float,
                   metavar="P", unset=_FROM_GENERATION_CONFIG.format("1.0")),
-    "seed": Flag("seed of torch's random numbers (demo: the random model and prompt; bench, distill: sampling; "
-                 "train: initialisation, data order and dropout)", type=int),
+    "seed": Flag("seed of torch's random numbers (demo: the random model and prompt; generate, chat, bench, distill: "
+                 "sampling; train: initialisation, data order and dropout)", type=int),
     # Proposers besides the heads: generate and chat speculate with one, bench compares them as methods.
     "lookup": Flag("also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the output and "
                    "--documents) in the same pass as the heads' tree; in bench, the chain of the lookup and "
@@ -126,6 +127,16 @@ FLAGS = {
     "draft_tokens": Flag("draft tokens per step", type=positive_int, metavar="K",
                          unset="chosen each step from measured acceptance and costs"),
     "max_draft_tokens": Flag("upper bound of the adaptive number of draft tokens", type=positive_int, metavar="K"),
+    # Prompt files (bench, distill) and where a command writes (bench, distill, train).
+    "prompts": Flag("prompt JSONL files, each FILE or FILE:N (the first N prompts of FILE): records with `turns` "
+                    "(MT-bench's), `prompt`, `question`, `text`, `instruction` or `input`, or bare JSON strings; "
+                    "bench times each prompt's first turn, reported by the record's `category` (else the file's "
+                    "name), distill answers every turn", nargs="+", metavar="FILE[:N]"),
+    "prompt_field": Flag("the prompt's field in every prompt file", metavar="NAME",
+                         unset="read from each file's first record"),
+    "output": Flag("where the command writes (bench: a folder for bench.json, bench.md, bench.png; distill: the "
+                   "conversations, FILE.jsonl or a folder of gzipped chunks, resumable: prompts already in it are "
+                   "skipped; train: a folder for the adapter, checkpoints/ and train_log.jsonl)", metavar="PATH"),
     # Training data and measuring heads (train, tree).
     "data": Flag("conversation JSONL files, as `medusa-spec distill` writes them", nargs="+", metavar="FILE"),
     "max_length": Flag("tokens per row; longer conversations are truncated", type=int),
@@ -137,25 +148,32 @@ FLAGS = {
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, default=None, *, required: bool = False,
-             suppress: bool = False) -> None:
+             suppress: bool = False, default_help: str | None = None, aliases: tuple[str, ...] = ()) -> None:
     """Add FLAGS[name] as --name-with-dashes. default: this command's value when the flag is not given (the help
-    says it; None: the flag's `unset` meaning); suppress: an absent flag leaves the namespace without it (the
-    recipe-driven commands fill it from their settings)."""
+    says it, or default_help, this command's words for it; None: the flag's `unset` meaning); suppress: an absent
+    flag leaves the namespace without it (the recipe-driven commands fill it from their settings); aliases: this
+    command's old spellings of the flag (e.g. "--output-dir"), accepted and left out of --help."""
     flag = FLAGS[name]
+    shown = default_help or (flag.unset if default is None else None)
     if required:
         help_text = flag.help + " (required)"
-    elif default is None and flag.unset is not None:
-        help_text = f"{flag.help} (default: {flag.unset})"
+    elif shown is not None:
+        help_text = f"{flag.help} (default: {shown})"
     else:
         help_text = f"{flag.help} (default: {default})"
     options = dict(default=argparse.SUPPRESS if suppress else default, help=help_text)
     if required and not suppress:
-        options["required"] = True
-    option = "--" + name.replace("_", "-")
+        if aliases:  # argparse would refuse an alias given for a required option: one of them is required
+            parser = parser.add_mutually_exclusive_group(required=True)
+        else:
+            options["required"] = True
     if flag.type is bool:
-        parser.add_argument(option, action=argparse.BooleanOptionalAction, **options)
-        return
+        options["action"] = argparse.BooleanOptionalAction
     for key in ("type", "choices", "metavar", "nargs"):
-        if getattr(flag, key) is not None:
+        if flag.type is not bool and getattr(flag, key) is not None:
             options[key] = getattr(flag, key)
-    parser.add_argument(option, **options)
+    parser.add_argument("--" + name.replace("_", "-"), **options)
+    # An alias is a second argument with the same dest and no default of its own (the flag's default stands).
+    hidden = {key: value for key, value in options.items() if key not in ("default", "help", "required")}
+    for alias in aliases:
+        parser.add_argument(alias, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **hidden)

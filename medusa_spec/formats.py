@@ -132,7 +132,7 @@ def _check_lm_head_copy(copy: torch.Tensor, key: str, base_lm_head: nn.Module | 
     if base_lm_head is None:
         raise ValueError(f"{source} holds {key}, its own copy of the base model's LM head (original_lm_head), which "
                          f"must be checked against the base model's; pass the base model "
-                         f"(convert(..., base_model=...), --base-model PATH)")
+                         f"(convert(..., base_model=...), medusa-spec convert --model DIR)")
     expected = base_lm_head.weight.detach()
     if token_map is not None and copy.shape[0] != expected.shape[0]:
         expected = expected[token_map.to(expected.device)]
@@ -262,7 +262,7 @@ def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, tor
     if config.share_lm_head:
         if base_lm_head is None:
             raise ValueError(f"{path}: vLLM's format stores the LM head these heads share (lm_head.weight); pass "
-                             f"base_model= (medusa-spec convert --base-model PATH) to copy it from the base model")
+                             f"base_model= (medusa-spec convert --model DIR) to copy it from the base model")
         if base_lm_head.bias is not None and bool(base_lm_head.bias.any()):
             raise ValueError(f"{path}: the base model's LM head has a bias, which vLLM's Medusa LM head "
                              f"(lm_head.weight only) cannot hold, so vLLM would draft other tokens than these heads; "

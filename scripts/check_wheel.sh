@@ -46,11 +46,11 @@ grep -q "identical: True" generate.err || { echo "generate: output differs from 
 if grep -q "no heads given" generate.err; then echo "generate: the shipped heads were not found" >&2; exit 1; fi
 # A fixed tree: generate above already measured --tree auto.
 "$WORK/venv/bin/medusa-spec" bench --per-category 1 --limit 2 --methods hf_greedy medusa_lookup --max-new-tokens 8 \
-  --tree '[[0],[1],[0,0]]' --out report
+  --tree '[[0],[1],[0,0]]' --output report
 "$WORK/venv/bin/python" - <<'PY'
 import json, sys
 meta = json.load(open("report/bench.json"))["meta"]
-if "site-packages" not in meta["prompts"] or "site-packages" not in meta["heads"]:
+if "site-packages" not in meta["prompts"][0] or "site-packages" not in meta["heads"]:
     sys.exit(f"bench read {meta['prompts']} and {meta['heads']}, not the installed package's")
 PY
 echo "wheel check passed in $((SECONDS - start)) s"

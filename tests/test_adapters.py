@@ -569,7 +569,7 @@ def test_convert_command(tmp_path):
     model.save_heads(tmp_path / "own")
     for fmt in FORMATS:
         assert main(["convert", str(tmp_path / "own"), str(tmp_path / fmt), "--to", fmt,
-                     "--base-model", str(tmp_path / "base")]) == 0
+                     "--model", str(tmp_path / "base")]) == 0
         assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / fmt), model)
     assert torch.equal(load_file(tmp_path / "vllm" / "model.safetensors")["lm_head.weight"], base.lm_head.weight)
     # The base model's path is recorded where the source had no name.

@@ -83,7 +83,7 @@ def test_bench_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
                                  [("a", "w5 w6 w7"), ("a", "w9 w9"), ("b", "w11 w12 w13 w14"), ("a", "w20")]))
     out = tmp_path / "report"
     assert main(["bench", "--model", str(model_dir), "--prompts", str(prompts), "--per-category", "2",
-                 "--max-new-tokens", "10", "--out", str(out)]) == 0
+                 "--max-new-tokens", "10", "--output", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     summary = report["summary"]
     assert set(summary) == {"a", "b", "overall"} and summary["overall"]["hf_greedy"]["prompts"] == 3
@@ -107,20 +107,76 @@ def test_options_shared_by_subcommands_are_defined_once():
             for flag in action.option_strings:
                 seen.setdefault(flag, []).append((name, type(action), action.type, meaning, action.choices,
                                                   action.nargs, action.metavar))
-    # bench reads one MT-bench-shaped file (categories, first turns), distill FILE[:N] prompt files of many shapes.
-    different = {"--prompts"}
     for flag, definitions in seen.items():
-        if flag not in different:
-            assert all(d[1:] == definitions[0][1:] for d in definitions), \
-                f"{flag} differs between {[d[0] for d in definitions]}"
+        assert all(d[1:] == definitions[0][1:] for d in definitions), \
+            f"{flag} differs between {[d[0] for d in definitions]}"
     where = {flag: {name for name, *_ in definitions} for flag, definitions in seen.items()}
     assert where["--max-new-tokens"] == {"demo", "generate", "chat", "bench", "distill"}
     for flag in ("--do-sample", "--temperature", "--top-k", "--top-p"):  # the model's sampling, nothing else
         assert where[flag] == {"generate", "chat", "distill"}, flag
     assert where["--eval-ranks"] == {"train", "tree"}  # ranks measured per head: not --top-k
     assert where["--lookup"] == where["--draft-model"] == {"generate", "chat", "bench"}
-    assert where["--model"] == {"generate", "chat", "bench", "distill", "train", "tree"}
     assert where["--system-prompt"] == {"chat", "distill"}
+    assert where["--prompts"] == where["--prompt-field"] == {"bench", "distill"}
+    assert where["--output"] == {"bench", "distill", "train"}  # one name for where a command writes
+    assert where["--heads"] == {"generate", "chat", "bench", "tree"}
+    assert where["--model"] == {"generate", "chat", "bench", "distill", "train", "tree", "convert"}
+    assert where["--seed"] == {"demo", "generate", "chat", "bench", "distill", "train"}
+
+
+@pytest.mark.parametrize("command, old, new, value", [
+    (["bench"], "--out", "output", "report"),
+    (["train"], "--output-dir", "output", "run"),
+    (["tree"], "--adapter", "heads", "run"),
+    (["convert", "src", "dst", "--to", "vllm"], "--base-model", "model", "base"),
+])
+def test_old_option_names_still_work_and_are_left_out_of_the_help(command, old, new, value, capsys):
+    """bench --out, train --output-dir, tree --adapter and convert --base-model were renamed to the name the other
+    commands use for the same idea; the old spelling sets the same setting and --help shows only the new one."""
+    args = build_parser().parse_args([*command, old, value])
+    assert getattr(args, new) == value
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command[0], "--help"])
+    shown = capsys.readouterr().out
+    assert "--" + new.replace("_", "-") in shown and not re.search(re.escape(old) + r"(?![\w-])", shown)
+
+
+def test_bench_reads_several_prompt_files_each_with_an_optional_cap(model_dir, tmp_path):
+    """bench --prompts takes distill's FILE[:N] list: prompts of any shape distill reads, N the first N of a file;
+    a record's category, else its file's name, groups the report."""
+    import json
+
+    mt_bench = tmp_path / "mt.jsonl"
+    mt_bench.write_text("\n".join(json.dumps({"category": c, "turns": [t, "second turn"]}) for c, t in
+                                  [("a", "w5 w6 w7"), ("b", "w9 w9"), ("a", "w20")]))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) for i in range(10, 15)))
+    out = tmp_path / "report"
+    assert main(["bench", "--model", str(model_dir), "--prompts", str(mt_bench), f"{plain}:2", "--max-new-tokens",
+                 "4", "--methods", "hf_greedy", "medusa_greedy", "--output", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    counts = {group: figures["hf_greedy"]["prompts"] for group, figures in report["summary"].items()}
+    assert counts == {"a": 2, "b": 1, "plain": 2, "overall": 5}
+    assert report["meta"]["prompts"] == [str(mt_bench), f"{plain}:2"]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_seed_makes_sampled_output_repeat(tmp_path, monkeypatch, capsys, command):
+    """generate and chat take --seed as bench and distill do: the same seed samples the same text, another seed
+    other text."""
+    path = save_tiny_model(tmp_path, do_sample=True, temperature=2.0)
+
+    def sampled(seed: str) -> str:
+        said = iter(["w5 w9 w11", "w7 w8", ""])
+        monkeypatch.setattr("builtins.input", lambda prompt="": next(said))
+        prompt = ["w5 w9 w11"] if command == "generate" else []
+        assert main([command, *prompt, "--model", str(path), "--max-new-tokens", "12", "--seed", seed]) == 0
+        return capsys.readouterr().out
+
+    first = sampled("1")
+    assert first.strip()
+    assert sampled("1") == first
+    assert sampled("2") != first
 
 
 def test_chat_speculates_as_generate_does(model_dir, monkeypatch, capsys):

@@ -32,7 +32,8 @@ def test_incomplete_heads_name_the_folder_and_the_fix(monkeypatch):
 
 def test_bench_defaults_to_the_shipped_mt_bench():
     args = build_parser().parse_args(["bench"])
-    assert Path(args.prompts) == bench.MT_BENCH and bench.MT_BENCH.is_relative_to(ROOT / "medusa_spec")
+    assert [Path(spec) for spec in args.prompts] == [bench.MT_BENCH]
+    assert bench.MT_BENCH.is_relative_to(ROOT / "medusa_spec")
     prompts = bench.read_eval_prompts(args.prompts, per_category=1)
     assert len(prompts) == 8 and len({category for category, _ in prompts}) == 8
     assert "Apache-2.0" in (bench.MT_BENCH.parent / "SOURCE.md").read_text()

@@ -371,7 +371,7 @@ def test_bench_compares_the_new_methods(model_dir, tmp_path, capsys):  # noqa: F
                                  [("a", "w5 w6 w7 w5 w6"), ("b", "w11 w12 w13 w14")]))
     out = tmp_path / "report"
     assert main(["bench", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "10",
-                 "--out", str(out), "--methods", "hf_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model",
+                 "--output", str(out), "--methods", "hf_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model",
                  "--draft-model", str(model_dir), "--lookup", "4"]) == 0
     summary = json.loads((out / "bench.json").read_text())["summary"]["overall"]
     assert set(summary) == {"hf_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model"}

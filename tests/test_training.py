@@ -131,7 +131,7 @@ def distill_settings(base_dir, output, **settings) -> DistillConfig:
 
 
 def small_run(base_dir, data, output_dir, **overrides) -> TrainConfig:
-    settings = dict(model=str(base_dir), data=[str(data)], output_dir=str(output_dir), num_heads=3, max_length=64,
+    settings = dict(model=str(base_dir), data=[str(data)], output=str(output_dir), num_heads=3, max_length=64,
                     batch_size=4, lr=1e-2, warmup_steps=5, eval_examples=8, log_every=50, save_every=0)
     return TrainConfig(**{**settings, **overrides})
 
@@ -457,13 +457,13 @@ def test_tree_command_stores_the_tree_grown_from_measured_accuracies(trained, ba
     output_dir, summary = trained
     parser = argparse.ArgumentParser()
     add_train_commands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["tree", "--adapter", str(output_dir), "--nodes", "6"])
+    args = parser.parse_args(["tree", "--heads", str(output_dir), "--nodes", "6"])
     assert args.func(args) == 0
     config = MedusaConfig.from_json_file(output_dir / "medusa_config.json")
     assert config.tree == grow_tree(summary["eval"]["rank_accuracy"], 6) and len(config.tree) == 5
     assert config.metrics["tree"]["expected_tokens_per_step"] > 2
     # Measured afresh on the data: all 48 conversations, more positions than the 8 held out in training.
-    args = parser.parse_args(["tree", "--adapter", str(output_dir), "--nodes", "4", "--model", str(base_dir),
+    args = parser.parse_args(["tree", "--heads", str(output_dir), "--nodes", "4", "--model", str(base_dir),
                               "--data", str(conversations), "--max-length", "64"])
     assert args.func(args) == 0
     config = MedusaConfig.from_json_file(output_dir / "medusa_config.json")
@@ -625,7 +625,7 @@ def test_shipped_recipes_hold_valid_settings_and_existing_prompt_files(recipe):
     parser = argparse.ArgumentParser()
     add_train_commands(parser.add_subparsers(dest="command"))
     cfg = resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe), "--model", "m"]), "train")
-    assert cfg.data and cfg.output_dir
+    assert cfg.data and cfg.output
     if "distill" in json.loads(recipe.read_text()):
         distill_cfg = resolve(DistillConfig, parser.parse_args(["distill", "--config", str(recipe), "--model", "m"]),
                               "distill")
@@ -637,7 +637,7 @@ def test_shipped_recipes_hold_valid_settings_and_existing_prompt_files(recipe):
 
 def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
     recipe = tmp_path / "recipe.json"
-    recipe.write_text(json.dumps({"train": {"model": "m", "data": ["d.jsonl"], "output_dir": "o", "lr": 0.5,
+    recipe.write_text(json.dumps({"train": {"model": "m", "data": ["d.jsonl"], "output": "o", "lr": 0.5,
                                             "num_heads": 2}}))
     parser = argparse.ArgumentParser()
     add_train_commands(parser.add_subparsers(dest="command"))
@@ -647,10 +647,45 @@ def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
     recipe.write_text(json.dumps({"train": {"learning_rate": 1}}))
     with pytest.raises(ValueError, match="unknown 'train' settings \\['learning_rate'\\]"):
         resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe)]), "train")
-    with pytest.raises(ValueError, match="train needs --data, --output-dir"):
+    with pytest.raises(ValueError, match=r"train needs --data, --output \("):
         resolve(TrainConfig, parser.parse_args(["train"]), "train")
     with pytest.raises(ValueError, match="--cache-hidden needs a frozen base"):
-        TrainConfig(model="m", data=["d"], output_dir="o", mode="medusa2", cache_hidden=True)
+        TrainConfig(model="m", data=["d"], output="o", mode="medusa2", cache_hidden=True)
+
+
+def test_a_recipe_or_command_line_with_the_old_output_dir_reads_as_output(tmp_path):
+    """--output-dir became --output (as bench's and distill's): a recipe's "output_dir" and the old flag still set it,
+    and a recipe that gives both names different folders is refused, not read one way or the other."""
+    parser = argparse.ArgumentParser()
+    add_train_commands(parser.add_subparsers(dest="command"))
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"train": {"data": ["d.jsonl"], "output_dir": "old"}}))
+    cfg = resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe)]), "train")
+    assert cfg.output == cfg.output_dir == "old"
+    assert resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe), "--output-dir", "flag"]),
+                   "train").output == "flag"
+    recipe.write_text(json.dumps({"train": {"data": ["d.jsonl"], "output_dir": "a", "output": "a"}}))
+    assert resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe)]), "train").output == "a"
+    recipe.write_text(json.dumps({"train": {"data": ["d.jsonl"], "output_dir": "a", "output": "b"}}))
+    with pytest.raises(ValueError, match="sets both 'output' and its old name 'output_dir'"):
+        resolve(TrainConfig, parser.parse_args(["train", "--config", str(recipe)]), "train")
+
+
+def test_resume_reads_a_checkpoint_written_before_output_dir_became_output(tmp_path):
+    """A checkpoint's settings name the folder output_dir; the same run resumed now names it output (and from
+    wherever the folder was moved): not a change of settings. Any other setting still is."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from medusa_spec.train.checkpoint import STATE, load_checkpoint
+
+    (tmp_path / STATE).write_text(json.dumps({"step": 7, "config": {"output_dir": "runs/old", "lr": 0.001}}))
+    loaded = []
+    accelerator = SimpleNamespace(distributed_type=DistributedType.NO, load_state=lambda path, **_: loaded.append(path))
+    assert load_checkpoint(accelerator, tmp_path, {"output": "moved/run", "lr": 0.001}) == 7 and loaded
+    with pytest.raises(ValueError, match="lr: 0.001 -> 0.002"):
+        load_checkpoint(accelerator, tmp_path, {"output": "runs/old", "lr": 0.002})
 
 
 # ---------------------------------------------------------------- distillation through a server

@@ -1,4 +1,4 @@
-"""Atomic training checkpoints under <output_dir>/checkpoints/.
+"""Atomic training checkpoints under <output>/checkpoints/ (train --output).
 
 A checkpoint is accelerate's state (trainable weights, optimizer, scheduler, RNG states of every
 process, grad scaler) plus trainer_state.json (the step and the config). It is written to a
@@ -18,8 +18,10 @@ from accelerate.utils import DistributedType
 
 CHECKPOINTS, LATEST, STATE = "checkpoints", "latest", "trainer_state.json"
 # Settings that may differ on --resume without changing the weights reached (eval_ranks was top_k in checkpoints
-# written before its rename: what evaluation counts, not what trains).
-RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "log_every", "eval_every", "eval_ranks", "top_k"}
+# written before its rename: what evaluation counts, not what trains; output, output_dir before its rename, is the
+# folder the checkpoint is read from, wherever it was moved).
+RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "log_every", "eval_every", "eval_ranks", "top_k",
+                     "output", "output_dir"}
 
 
 def keep_trainable_weights_only(accelerator) -> None:
@@ -77,7 +79,7 @@ def load_checkpoint(accelerator, path: Path, config: dict) -> int:
     if changed:
         diff = ", ".join(f"{k}: {state['config'].get(k)!r} -> {config.get(k)!r}" for k in changed)
         raise ValueError(f"--resume: the settings differ from those of {path} ({diff}); resume with the same "
-                         f"settings, or train into a new --output-dir")
+                         f"settings, or train into a new --output")
     # Plain/DDP checkpoints hold the trainable weights only (see keep_trainable_weights_only).
     strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
     accelerator.load_state(str(path), **strict)

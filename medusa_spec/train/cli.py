@@ -13,7 +13,7 @@ from ..base import inspect_base_model
 from ..flags import add_flag, default_device, fast_dtype
 from ..model import MedusaModel
 from .config import TrainConfig
-from .data import make_rows, parse_prompt_spec, read_conversations, read_prompts, tokenize_conversation
+from .data import make_rows, read_conversations, read_prompt_files, tokenize_conversation
 from .distill import DistillConfig, distill
 from .evaluate import calibrate_tree, evaluate
 from .load import load_model_and_tokenizer
@@ -25,10 +25,7 @@ from .server import distill_via_server
 
 def run_distill(args) -> int:
     cfg = resolve(DistillConfig, args, "distill")
-    prompts = []
-    for spec in cfg.prompts:
-        path, limit = parse_prompt_spec(spec)
-        prompts += read_prompts(path, cfg.prompt_field, limit)
+    prompts = read_prompt_files(cfg.prompts, cfg.prompt_field)
     if cfg.server:
         print(json.dumps(distill_via_server(prompts, cfg)))
         return 0
@@ -49,13 +46,13 @@ def run_train(args) -> int:
 def run_tree(args) -> int:
     eval_metrics = None
     if args.data:
-        eval_metrics = measure(args.adapter, args.model or default_model.prepare(), args.data, args.max_length,
+        eval_metrics = measure(args.heads, args.model or default_model.prepare(), args.data, args.max_length,
                                args.batch_size, args.eval_ranks, args.plain_text)
     elif args.model:
         raise ValueError("tree: --model is the base the accuracies are measured on: add --data FILE (without both, "
                          "the accuracies saved by training are used)")
-    tree = calibrate_tree(args.adapter, args.nodes, eval_metrics)
-    print(json.dumps({"adapter": str(args.adapter), "nodes": args.nodes, "tree": tree}))
+    tree = calibrate_tree(args.heads, args.nodes, eval_metrics)
+    print(json.dumps({"heads": str(args.heads), "nodes": args.nodes, "tree": tree}))
     return 0
 
 
@@ -77,22 +74,22 @@ def add_train_commands(subparsers) -> None:
     """Register `distill`, `train` and `tree` on an argparse subparsers object."""
     p = subparsers.add_parser("distill", help="let the base model answer prompts (self-distillation data)",
                               description="Answer prompt files with the base model's chat template; append the "
-                                          "conversations to --output as JSONL. Rerun the same command to resume.")
+                                          "conversations to --output. Rerun the same command to resume.")
     add_options(p, DistillConfig)
     p.set_defaults(func=run_distill)
 
     p = subparsers.add_parser("train", help="train Medusa heads (medusa1) or heads + LoRA (medusa2)",
                               description="Train heads on distilled conversations and save the adapter into "
-                                          "--output-dir. Same command under `accelerate launch` for several GPUs.")
+                                          "--output. Same command under `accelerate launch` for several GPUs.")
     add_options(p, TrainConfig)
     p.set_defaults(func=run_train)
 
-    p = subparsers.add_parser("tree", help="grow the adapter's default tree from measured head accuracies",
+    p = subparsers.add_parser("tree", help="grow the heads' default tree from measured head accuracies",
                               description="Grow the sparse tree of --nodes nodes that maximises the expected accepted "
-                                          "length and store it in the adapter's medusa_config.json. Uses the "
-                                          "accuracies saved by training, or measures them with --model and --data.")
-    p.add_argument("--adapter", required=True, metavar="DIR",
-                   help="adapter folder written by `medusa-spec train`, where the tree is stored")
+                                          "length and store it in the medusa_config.json of --heads (an adapter "
+                                          "folder written by `medusa-spec train`). Uses the accuracies saved by "
+                                          "training, or measures them with --model and --data.")
+    add_flag(p, "heads", required=True, aliases=("--adapter",))
     p.add_argument("--nodes", type=int, default=16, help="tree size, root included; larger suits GPUs (default: 16)")
     # Measuring afresh: --data (held-out conversations), read as train reads its data.
     add_flag(p, "data")

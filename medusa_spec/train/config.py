@@ -15,7 +15,7 @@ class TrainConfig:
 
     model: str | None = shared(None)
     data: list[str] = shared(None, required=True)
-    output_dir: str = option(None, "where the adapter, checkpoints/ and train_log.jsonl go", required=True)
+    output: str = shared(None, required=True, aliases=("--output-dir",))
     mode: str = option("medusa1", "medusa1: frozen base, heads only; medusa2: LoRA on the base too",
                        choices=("medusa1", "medusa2"))
     num_heads: int = option(4, "number of heads (head k predicts the token k + 2 ahead)")
@@ -50,7 +50,7 @@ class TrainConfig:
     seed: int = shared(0)
     mixed_precision: str | None = option(None, "no / fp16 / bf16 (default: accelerate's config); the base is loaded "
                                          "in that dtype, trainable weights stay fp32", choices=("no", "fp16", "bf16"))
-    cache_hidden: bool = option(False, "medusa1: cache the base's hidden states on disk (output_dir/hidden_cache) "
+    cache_hidden: bool = option(False, "medusa1: cache the base's hidden states on disk (in --output, hidden_cache/) "
                                 "so the base runs once per row, not once per epoch")
     eval_examples: int = option(64, "conversations held out to measure head accuracy")
     eval_every: int = option(0, "evaluate every N steps (0 = at the end only)")
@@ -58,7 +58,7 @@ class TrainConfig:
     save_every: int = option(500, "checkpoint every N steps (0 = never)")
     keep_checkpoints: int = option(2, "checkpoints kept on disk")
     log_every: int = option(10, "log every N steps")
-    resume: bool = option(False, "continue from the latest checkpoint in output_dir (start fresh if there is none)")
+    resume: bool = option(False, "continue from the latest checkpoint in --output (start fresh if there is none)")
     plain_text: bool = shared(False)
     base_loss: str = option("kl", "medusa2 base loss: kl to the untouched base (self-distillation) or ce on the data",
                             choices=("kl", "ce"))
@@ -68,6 +68,11 @@ class TrainConfig:
     lora_alpha: int = option(32, "LoRA alpha (medusa2)")
     lora_dropout: float = option(0.05, "LoRA dropout (medusa2)")
     lora_target_modules: str = option("all-linear", "comma-separated module names for LoRA, or all-linear (medusa2)")
+
+    @property
+    def output_dir(self) -> str:
+        """`output`'s name before --output-dir became --output, kept for code that reads it."""
+        return self.output
 
     def __post_init__(self):
         if self.mode == "medusa2" and self.cache_hidden:

@@ -27,6 +27,7 @@ PLAIN_TEXT_TEMPLATE = (
 class Prompt:
     id: str                 # "<file name>:<line>[:<instance>]", stable across runs: the resume key of distill
     turns: tuple[str, ...]  # user turns, answered one after the other
+    category: str | None = None  # the record's `category` (MT-bench's), by which bench reports
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,20 @@ def read_prompts(path: str | Path, prompt_field: str | None = None, limit: int |
             if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
                 raise ValueError(f"{path}:{number}: empty or non-text prompt {turns!r}; "
                                  f"every prompt must be non-empty text")
-            prompts.append(Prompt(f"{path.name}:{number}" + (f":{i}" if len(conversations) > 1 else ""), tuple(turns)))
+            category = record.get("category") if isinstance(record, dict) else None
+            prompts.append(Prompt(f"{path.name}:{number}" + (f":{i}" if len(conversations) > 1 else ""), tuple(turns),
+                                  category if isinstance(category, str) else None))
         if limit is not None and len(prompts) >= limit:
             return prompts[:limit]
+    return prompts
+
+
+def read_prompt_files(specs: list[str], prompt_field: str | None = None) -> list[Prompt]:
+    """The prompts of --prompts FILE[:N] ... (bench's and distill's), file after file."""
+    prompts = []
+    for spec in specs:
+        path, limit = parse_prompt_spec(spec)
+        prompts += read_prompts(path, prompt_field, limit)
     return prompts
 
 

@@ -38,11 +38,9 @@ class DistillConfig:
     """Settings of `medusa-spec distill` (the flags are generated from these fields)."""
 
     model: str | None = shared(None)
-    prompts: list[str] = option(None, "prompt JSONL files, each FILE or FILE:N (the first N prompts of FILE)",
-                                required=True)
-    output: str = option(None, "where conversations go: FILE.jsonl, or a folder of gzipped chunks (resumable; "
-                               "prompts already in it are skipped)", required=True)
-    prompt_field: str | None = option(None, "the prompt's field in every file (default: read from the first record)")
+    prompts: list[str] = shared(None, required=True)
+    output: str = shared(None, required=True)
+    prompt_field: str | None = shared(None)
     system_prompt: str | None = shared(None)
     batch_size: int = shared(64)
     max_new_tokens: int = shared(512)

@@ -89,7 +89,7 @@ def calibrate_tree(adapter_dir: str | Path, num_nodes: int, eval_metrics: dict |
     finish_interrupted_save(adapter_dir)  # else a save killed midway could pair this config with other weights
     path = Path(adapter_dir) / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; point --adapter at a folder written by `medusa-spec train`")
+        raise FileNotFoundError(f"{path} is missing; point --heads at a folder written by `medusa-spec train`")
     config = MedusaConfig.from_json_file(path)
     metrics = {**config.metrics, **({"eval": eval_metrics} if eval_metrics is not None else {})}
     rank_accuracy = metrics.get("eval", {}).get("rank_accuracy")

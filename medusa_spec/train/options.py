@@ -25,8 +25,15 @@ def option(default, help: str, **extra):
 
 
 def shared(default, **extra):
-    """A config field whose flag is medusa_spec.flags.FLAGS[its name], as other subcommands define it."""
+    """A config field whose flag is medusa_spec.flags.FLAGS[its name], as other subcommands define it; extra:
+    required=True, aliases=("--old-name",) (an old spelling of the flag, and of its recipe key, still accepted)."""
     return dataclasses.field(default=default, metadata={"shared": True, **extra})
+
+
+def _old_keys(cls) -> dict[str, str]:
+    """{old recipe key: field name} from the fields' flag aliases ("--output-dir" was the key "output_dir")."""
+    return {alias.removeprefix("--").replace("-", "_"): f.name
+            for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
 
 
 def add_options(parser: argparse.ArgumentParser, cls) -> None:
@@ -34,7 +41,8 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("shared"):
-            add_flag(parser, f.name, f.default, required=f.metadata.get("required", False), suppress=True)
+            add_flag(parser, f.name, f.default, required=f.metadata.get("required", False), suppress=True,
+                     aliases=f.metadata.get("aliases", ()))
             continue
         kind = hints[f.name]
         if typing.get_origin(kind) is not list:  # X | None -> X
@@ -62,6 +70,12 @@ def resolve(cls, args: argparse.Namespace, section: str):
     if getattr(args, "config", None):
         recipe = json.loads(Path(args.config).read_text(encoding="utf-8"))
         values = dict(recipe.get(section, {}))
+        for old, new in _old_keys(cls).items():  # a recipe written before a rename reads as it did
+            if old in values:
+                if new in values and values[new] != values[old]:
+                    raise ValueError(f"{args.config}: {section!r} sets both {new!r} and its old name {old!r}, to "
+                                     f"different values; keep {new!r}")
+                values[new] = values.pop(old)
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"{args.config}: unknown {section!r} settings {unknown}; the names are those of the "

@@ -10,11 +10,11 @@ DATA=${1:-/work/data/smollm2-distill.jsonl}
 RUN=${2:-runs/smollm2-dependent}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 MODEL=$(python -c "from medusa_spec import default_model; print(default_model.prepare())")
-medusa-spec train --model "$MODEL" --data "$DATA" --output-dir "$RUN" ${RESUME:-} \
+medusa-spec train --model "$MODEL" --data "$DATA" --output "$RUN" ${RESUME:-} \
   --head-type ${HEAD_TYPE:-dependent} $([ "${DRAFT_VOCAB:-4096}" = full ] || echo --draft-vocab "${DRAFT_VOCAB:-4096}") \
   --num-heads 3 --num-layers 1 --share-lm-head --max-length 512 --batch-size 4 --epochs ${EPOCHS:-4} \
   --lr 2e-3 --warmup-steps 20 --cache-hidden --eval-examples 40 --eval-ranks 8 --save-every 40 --log-every 5 ${EXTRA:-}
-medusa-spec tree --adapter "$RUN" --nodes 8
+medusa-spec tree --heads "$RUN" --nodes 8
 if [ -z "${NO_SHIP:-}" ]; then
   mkdir -p "$ROOT/heads/smollm2-135m-instruct"
   cp "$RUN/medusa_config.json" "$RUN/medusa_heads.safetensors" "$ROOT/heads/smollm2-135m-instruct/"
