@@ -496,7 +496,7 @@ def test_resume_after_a_kill_reaches_the_weights_of_an_uninterrupted_run(mode, b
         return train(small_run(base_dir, conversations, output_dir, mode=mode, max_steps=6, save_every=2,
                                grad_accum=2, lora_dropout=0.1, eval_examples=4, **extra))
 
-    run(tmp_path / "straight")
+    straight_summary = run(tmp_path / "straight")
     with monkeypatch.context() as patch:
         kill_after(patch, 9)  # dies in step 5, one step after the checkpoint of step 4
         with pytest.raises(Killed):
@@ -507,6 +507,7 @@ def test_resume_after_a_kill_reaches_the_weights_of_an_uninterrupted_run(mode, b
         run(tmp_path / "killed", resume=True, lr=2e-2)
     resumed = run(tmp_path / "killed", resume=True)
     assert resumed["start_step"] == 4
+    assert resumed["answer_tokens_seen"] == straight_summary["answer_tokens_seen"]  # counted on from step 4
     straight, killed = (load_file(tmp_path / d / "medusa_heads.safetensors") for d in ("straight", "killed"))
     assert straight.keys() == killed.keys() and all(torch.equal(straight[k], killed[k]) for k in straight)
     if mode == "medusa2":

@@ -25,7 +25,7 @@ from ..config import MedusaConfig
 from ..model import MedusaModel
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import collate, make_rows, read_conversations, tokenize_conversation
+from .data import Example, collate, make_rows, read_conversations, tokenize_conversation
 from .draft_vocab import answer_token_counts, coverage, draft_index, frequent_tokens
 from .evaluate import evaluate
 from .hidden_cache import fingerprint, open_hidden_cache, reset_if_stale
@@ -35,7 +35,7 @@ from .module import Outputs, TrainModule
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train, checkpoint, evaluate, and save the adapter into cfg.output_dir; returns a summary."""
+    """Train, checkpoint, evaluate, and save the adapter into cfg.output; returns a summary."""
     if cfg.model is None:  # as every command reads --model: the default model
         cfg = dataclasses.replace(cfg, model=str(default_model.prepare()))
     medusa2 = cfg.mode == "medusa2"
@@ -45,11 +45,11 @@ def train(cfg: TrainConfig) -> dict:
                               kwargs_handlers=[ddp])
     _check_backend(accelerator, cfg.batch_size)
     set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
+    output_dir = Path(cfg.output)
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is not None and not cfg.resume:
         raise ValueError(f"{output_dir} already holds checkpoints ({checkpoint.name}); pass --resume to continue "
-                         f"that run, or choose a new --output-dir")
+                         f"that run, or choose a new --output")
     keep_trainable_weights_only(accelerator)
 
     # 1. Data (read first: a bad file fails before a big model loads) and base model. Trainable
@@ -130,6 +130,8 @@ def train(cfg: TrainConfig) -> dict:
     loss_sum = torch.zeros((), device=accelerator.device)
     head_ce_sum = torch.zeros(cfg.num_heads, device=accelerator.device)
     micro_batches, tokens, since, last_loss = 0, 0, time.perf_counter(), float("nan")
+    seen = answer_tokens_seen(train_rows, start_step * cfg.grad_accum, cfg.batch_size, accelerator.num_processes,
+                              cfg.seed)
     for step in range(start_step, max_steps):
         heads_only = not medusa2 or step < cfg.heads_warmup_steps
         for micro in range(cfg.grad_accum):
@@ -137,6 +139,8 @@ def train(cfg: TrainConfig) -> dict:
                                  accelerator.num_processes, accelerator.process_index, cfg.seed)
             batch = collate([train_rows[i] for i in rows], tokenizer.pad_token_id)
             tokens += int(batch["segment_ids"].gt(0).sum())  # counted on the host: no device sync
+            seen += answer_tokens_seen(train_rows, 1, cfg.batch_size, accelerator.num_processes, cfg.seed,
+                                       first=step * cfg.grad_accum + micro)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             hidden = cache.get(rows, batch["input_ids"].shape[1]) if cache is not None else None
             with accelerator.accumulate(module):
@@ -169,15 +173,17 @@ def train(cfg: TrainConfig) -> dict:
             head_ce_sum.zero_()
             micro_batches, tokens, since = 0, 0, time.perf_counter()
         if cfg.eval_every and done % cfg.eval_every == 0 and done < max_steps:
-            log({"step": done, "eval": run_eval()})
+            log({"step": done, "answer_tokens_seen": seen, "eval": run_eval()})
         if cfg.save_every and done % cfg.save_every == 0:
             save_checkpoint(accelerator, output_dir, done, config_dict, cfg.keep_checkpoints)
 
     # 4. Final evaluation; the adapter (heads, config with metrics, and the LoRA adapter for medusa2).
     metrics = run_eval()
-    log({"step": max_steps, "eval": metrics})
+    log({"step": max_steps, "answer_tokens_seen": seen, "eval": metrics})
     summary = {"mode": cfg.mode, "start_step": start_step, "steps": max_steps, "train_rows": len(train_rows),
-               "eval_rows": len(eval_rows), "final_loss": last_loss, **vocab_summary}
+               "eval_rows": len(eval_rows), "answer_tokens_seen": seen,
+               "answer_tokens_in_data": sum(sum(e.loss_mask) for row in train_rows for e in row),
+               "final_loss": last_loss, **vocab_summary}
     if accelerator.is_main_process:
         medusa.config = dataclasses.replace(medusa.config, metrics={"eval": metrics, "train": summary})
         medusa.save_heads(output_dir, lora=base_model if medusa2 else None)  # Medusa-2: the peft model -> lora/
@@ -227,6 +233,16 @@ def batch_indices(micro_step: int, num_rows: int, batch_size: int, num_processes
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     start = (i * num_processes + process_index) * batch_size
     return order[start: start + batch_size].tolist()
+
+
+def answer_tokens_seen(rows: list[list[Example]], micro_steps: int, batch_size: int, num_processes: int, seed: int,
+                       first: int = 0) -> int:
+    """Answer tokens (the heads' training targets) in micro-batches first .. first + micro_steps - 1 of every
+    process: how much data the heads have seen at a point of training (the x axis of a scaling curve), a pure
+    function of the step as the rows read are, so a resumed run counts on from where it stopped."""
+    return sum(sum(sum(example.loss_mask) for example in rows[i])
+               for micro in range(first, first + micro_steps) for process in range(num_processes)
+               for i in batch_indices(micro, len(rows), batch_size, num_processes, process, seed))
 
 
 def combined_loss(out: Outputs, batch: dict, cfg: TrainConfig, heads_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
