@@ -21,12 +21,13 @@ from .output import GenerateOutput
 from .propose import heads_proposer
 from .tree import MedusaTree, build_tree, default_tree
 
-# tree=None measures at the first generate(), on a coarser grid than auto_tree()'s defaults (14 sizes after 256 tokens,
-# fastest of 5): a verify pass costs about a decoding step, 67 ms for SmolLM2-135M on a 2-core CPU, where those took
-# 8.6 s and these 2.1 s (both chose 4 nodes). The prompt's length changes little in a verify pass of a few nodes.
-QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64)
-QUICK_CONTEXT = 64
-QUICK_REPEATS = 2
+# The trees auto_tree() times by default (--tree auto, and tree=None once): 1, 2, 4, ..., 64 nodes after 64 tokens,
+# the fastest of 2 runs. For SmolLM2-135M on a 2-core CPU (a decoding step 67 ms) that took 2.1 s, where
+# autotree.CANDIDATE_SIZES' 14 sizes after 256 tokens, fastest of 5, took 8.6 s; both chose 4 nodes. The prompt's
+# length changes little in a verify pass of a few nodes.
+AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
+AUTO_CONTEXT = 64
+AUTO_REPEATS = 2
 
 
 class MedusaModel(nn.Module):
@@ -109,7 +110,7 @@ class MedusaModel(nn.Module):
 
     def default_choices(self) -> list[list[int]]:
         """The rank paths `tree=None` stands for. With rank accuracies in the adapter's metrics
-        (metrics.eval.rank_accuracy): auto_tree()'s choice among QUICK_SIZES, measured at the first call (about
+        (metrics.eval.rank_accuracy): auto_tree()'s choice, measured at the first call (about
         2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and dtype,
         so a second call reuses it; without them, the adapter's stored tree, else default_tree(num_heads)."""
         if not self._rank_accuracy():
@@ -118,15 +119,16 @@ class MedusaModel(nn.Module):
         if (device, dtype) not in self._measured_trees:
             # The timing passes draw random tokens: a forked generator leaves the caller's seeded draws as they were.
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self._measured_trees[device, dtype] = self.auto_tree(QUICK_CONTEXT, QUICK_SIZES, QUICK_REPEATS)[0]
+                self._measured_trees[device, dtype] = self.auto_tree()[0]
         return self._measured_trees[device, dtype]
 
-    def auto_tree(self, context: int = 256, sizes: Sequence[int] = autotree.CANDIDATE_SIZES,
-                  repeats: int = 5) -> tuple[list[list[int]], list[dict]]:
+    def auto_tree(self, context: int = AUTO_CONTEXT, sizes: Sequence[int] = AUTO_SIZES,
+                  repeats: int = AUTO_REPEATS) -> tuple[list[list[int]], list[dict]]:
         """The tree with the most expected tokens per second on this machine: verify-pass and drafting latency
         measured for trees of `sizes` nodes (the fastest of `repeats` runs), value from the rank accuracies
         measured in training (metrics.eval.rank_accuracy). Returns (rank paths, the table of candidates).
-        Measures at each call; generate(tree=None) measures a coarser grid once and keeps the choice."""
+        Measures at each call; generate(tree=None) measures once and keeps the choice. A finer grid:
+        sizes=autotree.CANDIDATE_SIZES."""
         rank_accuracy = self._rank_accuracy()
         if not rank_accuracy:
             raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, propose
+from medusa_spec import MedusaConfig, MedusaModel, model, propose
 from medusa_spec.autotree import choose_tree, expected_tokens_per_step
 from medusa_spec.context import ContextLayer
 from tiny_models import tiny_model
@@ -32,6 +32,9 @@ def test_auto_tree_measures_this_machine():
                                MedusaConfig(num_heads=2, metrics={"eval": {"rank_accuracy": ACCURACY}}))
     tree, table = mm.auto_tree(context=32)
     assert all(row["step_ms"] > 0 for row in table)
+    # The CLI's --tree auto and tree=None time the same short grid (2 s for SmolLM2-135M, not 8.6 s).
+    # (A size larger than the accuracies' 7 candidates gives the 7-node tree.)
+    assert {row["nodes"] for row in table} == {1, 2, 4, 7} == {min(n, 7) for n in model.AUTO_SIZES}
     assert tree in [row["tree"] for row in table]
     out = mm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, eos_token_id=[], tree=tree)
     assert out.stats.new_tokens == [5]
@@ -67,5 +70,5 @@ def test_auto_tree_times_the_trees_its_accuracies_grow(monkeypatch):
         return drafting(heads, base_model, root, state, tree)
 
     monkeypatch.setattr(propose, "draft_with_heads", recording)
-    mm.auto_tree(context=32)
+    mm.auto_tree(context=32, sizes=(1, 2, 3, 4))
     assert depths[3] == 2 and depths[4] == 2  # [[0], [0, 0]] and [[0], [0, 0], [1]], not [[0], [1], [2]]
