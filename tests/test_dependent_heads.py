@@ -124,12 +124,17 @@ def test_greedy_identity_with_dependent_heads_that_draft_long_runs(arch):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("head_type", ["medusa", "dependent"])
 @pytest.mark.parametrize("context_heads", [0, 2], ids=["", "context"])
-def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_type, context_heads):
+@pytest.mark.parametrize("feature_layers", [[], [0, 1]], ids=["", "fused"])
+def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_type, context_heads, feature_layers):
     model = tiny_model(arch)
     ids = prompt(batch=2)
     expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
-    mm = random_heads(model, head_type=head_type, draft_vocab_size=24, context_heads=context_heads, scale=0.1)
+    mm = random_heads(model, head_type=head_type, draft_vocab_size=24, context_heads=context_heads,
+                      feature_layers=feature_layers, scale=0.1)
     assert torch.equal(mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE).sequences, expected)
+    if feature_layers:  # and with a lookup chain in the same pass
+        assert torch.equal(mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE, lookup_tokens=3).sequences,
+                           expected)
 
 
 @pytest.mark.parametrize("sampling", SETTINGS[1:4], ids=str)

@@ -1,7 +1,8 @@
 """Feature fusion (`feature_layers`): heads that read decoder layers' hidden states beside the final one.
 
 The verify pass and prefill must hand the heads exactly the layers' states a plain forward computes, drafting
-must read them, decoding must stay lossless, adapters must keep them, and training must learn the projection."""
+must read them, adapters must keep them, and training must learn the projection. Lossless decoding with fused
+heads: test_dependent_heads.py's greedy-identity test, on every architecture."""
 
 from __future__ import annotations
 
@@ -17,18 +18,10 @@ from medusa_spec.propose import HeadsProposer, Prompt, draft_with_heads
 from medusa_spec.slots import prefill
 from medusa_spec.train.loop import train
 from medusa_spec.train.module import TrainModule
-from test_dependent_heads import TREE, random_heads
-from test_generate import prompt, reference_generate
+from test_dependent_heads import TREE, one_thread, random_heads  # noqa: F401 (one_thread: autouse fixture)
+from test_generate import prompt
 from test_training import base_dir, conversations, small_run  # noqa: F401 (fixtures)
-from tiny_models import ARCHITECTURES, tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2", "opt"])
@@ -66,18 +59,6 @@ def test_the_heads_draft_from_the_fused_layers(head_type):
         final_only = draft_with_heads(mm.heads, model, root, states[-1][:, -1], tree)
     assert torch.equal(drafted, expected)
     assert not torch.equal(drafted, final_only)  # the layers change the guesses: the test sees them
-
-
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("head_type", ["medusa", "dependent"])
-@pytest.mark.parametrize("context_heads", [0, 2], ids=["", "context"])
-def test_greedy_identity_with_fused_heads(arch, head_type, context_heads):
-    model = tiny_model(arch)
-    ids = prompt(batch=2)
-    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
-    mm = random_heads(model, head_type=head_type, context_heads=context_heads, feature_layers=[0, 1], scale=0.1)
-    out = mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE, lookup_tokens=3)
-    assert torch.equal(out.sequences, expected)
 
 
 def test_fused_heads_round_trip_and_other_formats_refuse_them(tmp_path):
