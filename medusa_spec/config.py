@@ -16,8 +16,9 @@ CONFIG_NAME = "medusa_config.json"
 # (Others fall back to their defaults, as peft does.)
 REQUIRED_KEYS = ("num_heads", "num_layers", "share_lm_head", "hidden_size", "vocab_size")
 # "medusa": head k reads the hidden state only. "dependent" (Hydra-style): it also reads the
-# embeddings of the tokens on the path to its parent.
-HEAD_TYPES = ("medusa", "dependent")
+# embeddings of the tokens on the path to its parent. "eagle" (EAGLE-style): a draft layer with its own cache turns
+# the state and the next token into the next state, drafting level by level on its own outputs (eagle.py).
+HEAD_TYPES = ("medusa", "dependent", "eagle")
 
 
 @dataclass
@@ -43,6 +44,9 @@ class MedusaConfig:
     # Layers of the base (i: decoder layer i's output, 0: the embeddings) whose hidden states the heads read beside
     # the final one, added through a learned projection (EAGLE-3's low / middle / high-layer features); [] = none.
     feature_layers: list[int] = field(default_factory=list)
+    # Eagle heads' draft layer: {"num_attention_heads": n, "intermediate_size": m} (its width is hidden_size);
+    # null for the other head types, and filled in from the base model when eagle heads are attached.
+    draft_layer: dict[str, int] | None = None
     base_model_name_or_path: str | None = None
     # Default tree for generate(), as Medusa "choices" (rank paths); None = a built-in default.
     tree: list[list[int]] | None = None
@@ -84,12 +88,32 @@ class MedusaConfig:
             raise ValueError(f"MedusaConfig.feature_layers must be distinct layer indices >= 0 (e.g. [8, 16]), "
                              f"got {layers!r}")
         self.feature_layers = sorted(layers)
+        self._check_draft_layer()
         if self.tree is not None:
             self.tree = [list(map(int, path)) for path in self.tree]
         if self.weights_sha256 is not None and not (isinstance(self.weights_sha256, str)
                                                     and re.fullmatch(r"[0-9a-f]{64}", self.weights_sha256)):
             raise ValueError(f"MedusaConfig.weights_sha256 must be 64 lowercase hex digits or null, got "
                              f"{self.weights_sha256!r}")
+
+    def _check_draft_layer(self) -> None:
+        if self.head_type == "eagle" and self.context_heads:
+            raise ValueError("eagle heads take no context layer (context_heads must be 0): their draft layer already "
+                             "attends over the text")
+        shape = self.draft_layer
+        if shape is None:
+            return
+        if self.head_type != "eagle":
+            raise ValueError(f"MedusaConfig.draft_layer is for head_type 'eagle' only; set it to null for "
+                             f"{self.head_type} heads")
+        keys = ("num_attention_heads", "intermediate_size")
+        if (not isinstance(shape, dict) or sorted(shape) != sorted(keys)
+                or not all(isinstance(shape[k], int) and not isinstance(shape[k], bool) and shape[k] >= 1 for k in keys)):
+            raise ValueError(f"MedusaConfig.draft_layer must be {{\"num_attention_heads\": n, \"intermediate_size\": m}} "
+                             f"with positive integers (or null to take them from the base model), got {shape!r}")
+        if self.hidden_size and self.hidden_size % shape["num_attention_heads"]:
+            raise ValueError(f"MedusaConfig.draft_layer: num_attention_heads ({shape['num_attention_heads']}) must "
+                             f"divide hidden_size ({self.hidden_size})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

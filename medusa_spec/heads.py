@@ -6,6 +6,10 @@ Two head types share everything but their input:
   x = h_t + W_k [E(x_t+1), ..., E(x_t+k+1)] (its own input layer, zero at the start), so a far
   guess knows the nearer ones.
 
+Eagle heads (EAGLE-style, see eagle.py): a draft layer, one small decoder layer with its own cache, turns the base's
+state and the next token into the state one position on, and reads its own output as it drafts deeper; head k's
+block reads the layer's output k slots down the drafted path.
+
 Optionally the heads read a context layer's output instead of h_t (`context`: attention over the text
 so far, see context.py; the callers apply it, as it needs the whole sequence or its cache).
 
@@ -18,7 +22,7 @@ the most frequent tokens); verification still uses the full vocabulary, so outpu
 
 Weight names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight`, `lm_heads.{h}.weight`,
 `token_map`) so exporting plain heads is a rename-free copy; dependent heads add `inputs.{h}`, a context
-layer `context.*`, feature fusion `fuse`.
+layer `context.*`, feature fusion `fuse`, the draft layer `draft_layer.*`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 from .columnwise import linear
 from .config import HEAD_TYPES
 from .context import ContextLayer, unit_rms
+from .eagle import DraftLayer
 
 
 class ResidualBlock(nn.Module):
@@ -53,12 +58,16 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, share_lm_head: bool,
                  head_type: str = "medusa", draft_vocab_size: int | None = None, context_heads: int = 0,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), draft_layer: dict[str, int] | None = None):
         super().__init__()
         if head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {', '.join(HEAD_TYPES)}, got {head_type!r}")
-        self.dependent = head_type == "dependent"
-        if self.dependent:
+        if (head_type == "eagle") != (draft_layer is not None):
+            raise ValueError("draft_layer (the draft layer's shape) must be given for head_type 'eagle', and only then")
+        # Both draft level by level: a guess depends on the drafted path to it.
+        self.dependent = head_type in ("dependent", "eagle")
+        self.draft_layer = DraftLayer(hidden_size, draft_layer) if draft_layer is not None else None
+        if head_type == "dependent":
             # Head k adds a projection of its k + 1 path embeddings to h. It starts at zero (a plain Medusa
             # head), and h passes through untouched: a layer over [h, path] instead, with fan-in (k + 2) H,
             # made the far heads' training unstable at the learning rates plain heads use.
@@ -162,18 +171,31 @@ class MedusaHeads(nn.Module):
         """Dependent head k's state before projection; path [..., (k + 1) H]: unit-RMS path embeddings, concatenated."""
         return self.blocks[k](hidden_states + self.inputs[k](path))
 
+    def draft_logits(self, k: int, draft_outputs: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """Eagle head k: the draft layer's outputs [..., H] k slots down a drafted path -> logits [..., V']."""
+        return self.project(self.blocks[k](draft_outputs), base_lm_head, head=k)
+
     def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module,
                 next_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., T, H] -> logits [..., T, K, V'] (next_embeds as in states())."""
+        """[..., T, H] -> logits [..., T, K, V'] (next_embeds as in states(); not for eagle heads)."""
         return self.project(self.states(hidden_states, next_embeds), base_lm_head)
 
-    def states(self, hidden_states: torch.Tensor, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def states(self, hidden_states: torch.Tensor, next_embeds: torch.Tensor | None = None,
+               allowed: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[..., T, H] -> every head's state before its projection, [..., T, K, H].
 
-        Dependent heads need `next_embeds` [..., T, H]: the embedding of the token after each
+        Dependent and eagle heads need `next_embeds` [..., T, H]: the embedding of the token after each
         position (teacher forcing), so head k at t reads E(x_t+1) .. E(x_t+k+1); positions whose
-        path runs past the end see zeros there (their targets are past the end too).
+        path runs past the end see zeros there (their targets are past the end too). Eagle heads also need
+        the row's attention, allowed [B, T, T] (causal within each example), and position_ids [B, T]: the
+        draft layer is unrolled over the row (DraftLayer.unroll).
         """
+        if self.draft_layer is not None:
+            if next_embeds is None or allowed is None or position_ids is None:
+                raise ValueError("eagle heads need next_embeds, allowed and position_ids: the draft layer runs over "
+                                 "the whole row")
+            outputs = self.draft_layer.unroll(hidden_states, next_embeds, allowed, position_ids, self.num_heads)
+            return torch.stack([block(outputs[..., k, :]) for k, block in enumerate(self.blocks)], dim=-2)
         if not self.dependent:
             return torch.stack([block(hidden_states) for block in self.blocks], dim=-2)
         if next_embeds is None:

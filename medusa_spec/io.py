@@ -222,11 +222,14 @@ def expected_shapes(config: MedusaConfig, source) -> dict[str, torch.Size]:
                if getattr(config, name) is None and (name == "hidden_size" or not config.share_lm_head)]
     if unknown:
         raise ValueError(f"{source}: {' and '.join(unknown)} unknown (null); set them to the base model's values")
+    if config.head_type == "eagle" and config.draft_layer is None:
+        raise ValueError(f"{source}: eagle heads without draft_layer (the draft layer's shape); re-save the adapter "
+                         f"with save_heads()")
     with torch.device("meta"):
         # A shared LM head is the base model's: the heads hold nothing vocabulary-sized, so 0 stands in.
         heads = MedusaHeads(config.hidden_size, config.vocab_size or 0, config.num_heads, config.num_layers,
                             config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
-                            config.feature_layers)
+                            config.feature_layers, config.draft_layer)
     return {name: tensor.shape for name, tensor in heads.state_dict().items()}
 
 

@@ -7,6 +7,8 @@ that dropped old slots could not be gathered back to the accepted path.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -14,6 +16,14 @@ from transformers.cache_utils import DynamicLayer
 
 def new_cache() -> DynamicCache:
     return DynamicCache()
+
+
+def fork_cache(cache: DynamicCache) -> DynamicCache:
+    """A cache holding the same slots as `cache`, whose changes leave `cache` as it is: both share the key/value
+    tensors, which keep_accepted only writes past the slots it keeps and an update replaces by a longer one."""
+    fork = DynamicCache()
+    fork.layers = [copy.copy(layer) for layer in cache.layers]
+    return fork
 
 
 def check_cache(cache: DynamicCache, expected_length: int) -> None:

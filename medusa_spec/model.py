@@ -13,6 +13,7 @@ from torch import nn
 from . import autotree, formats, io
 from .base import BaseSpec, inspect_base_model, model_device_dtype
 from .config import MedusaConfig
+from .eagle import draft_layer_shape
 from .heads import MedusaHeads
 from .inputs import resolve_sampling, special_tokens
 from .lookup import with_lookup
@@ -55,13 +56,17 @@ class MedusaModel(nn.Module):
         spec = inspect_base_model(base_model)
         config = config or MedusaConfig()
         _check_sizes(config, spec, source="MedusaConfig")
+        draft_layer = config.draft_layer
+        if config.head_type == "eagle" and draft_layer is None:
+            draft_layer = draft_layer_shape(base_model.config.get_text_config(decoder=True), spec.hidden_size)
         config = dataclasses.replace(config, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
-                                     base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path)
+                                     base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path,
+                                     draft_layer=draft_layer)
         if config.tree is not None:
             build_tree(config.tree, config.num_heads)  # validate now, not at the first generate()
         heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
                             config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
-                            config.feature_layers)
+                            config.feature_layers, config.draft_layer)
         heads.init_projections_from(base_model.get_output_embeddings())
         device, dtype = model_device_dtype(base_model)
         heads = heads.to(device=device, dtype=dtype)

@@ -3,13 +3,14 @@
 A proposer is told the prompt once (`start`), then each step gives the candidates after the root
 (`propose`) and learns what the base model accepted (`update`), as transformers' assisted decoding
 has `get_candidates` / `update_candidate_strategy`. Medusa heads (plain or dependent, with their
-context layer's cache) are here; the lookup chain and the heads + chain merge are in lookup.py, the
+context layer's cache) and eagle heads (their draft layer's own cache) are here; the lookup chain and the heads + chain merge are in lookup.py, the
 draft model in draft.py.
 
 Plain Medusa heads do not see their parent, so one call gives every head's top-k list and
 siblings at one depth share it. Dependent heads read the tokens on the path to their parent,
 so the tree is drafted level by level: one batched head call over all nodes of depth d - 1
-gives the candidates of depth d.
+gives the candidates of depth d. Eagle heads draft level by level too, each level one pass of their draft
+layer over the nodes of the level above.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .eagle import DRAFT_LAYER_SPEC
+from .kv_cache import fork_cache, new_cache
 from .output import GenerationStats
+from .slots import Slots
 from .tree import MedusaTree, Tree, chain_tree
+from .verify import attention_masks, layer_masks
 
 
 @dataclass(frozen=True)
@@ -165,9 +170,87 @@ class HeadsProposer(Proposer):
             offsets < (step.accept_length + 1)[:, None], step.accept_length)
 
 
+class DraftLayerProposer(Proposer):
+    """Eagle heads on a MedusaTree (see eagle.py). The draft layer's cache holds a slot per committed position j:
+    the base's state there with the token after it, at position j; the last one, the previous step's last accepted
+    state with the root, gives depth 1's candidates. Depth d's nodes then take slots at the root slot's position
+    + d, each with its parent's output and its own token, seeing the committed slots and its ancestors' slots.
+    After the verify pass the drafted slots are dropped and the step's accepted states take their place."""
+
+    def __init__(self, base_model: nn.Module, heads: nn.Module, tree: MedusaTree):
+        self.base_model, self.heads, self.layout = base_model, heads, tree
+        self.modules = (heads,)
+        self.max_depth = tree.max_depth
+        self.feature_layers = heads.feature_layers
+        self.embed = base_model.get_input_embeddings()
+
+    def start(self, prompt: Prompt) -> None:
+        self.layout = self.layout.to(prompt.root.device)
+        valid, input_ids = prompt.attention_mask, prompt.input_ids
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding counts no position, as in prefill
+        causal = torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=valid.device).tril()
+        next_ids = torch.cat([input_ids[:, 1:], prompt.root[:, None]], dim=1)
+        cache = new_cache()
+        mask = attention_masks(DRAFT_LAYER_SPEC, valid, positions, positions, causal, prompt.hidden.dtype)
+        outputs = self.heads.draft_layer(self.heads.features(prompt.hidden), self.embed(next_ids), mask, positions,
+                                         cache)
+        # The root's slot is the prompt's last position: the draft layer's next slot is the root's own position.
+        self.slots = Slots(cache, valid, positions, positions[:, -1] + 1, prompt.max_position, input_ids.shape[1])
+        self.root_output = outputs[:, -1]
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        tree, heads, slots = self.layout, self.heads, self.slots
+        lm_head = self.base_model.get_output_embeddings()
+        node_tokens = root[:, None].expand(-1, tree.num_nodes).clone()
+        bounds = tree.level_bounds
+        outputs = self.root_output[:, None]  # [B, n, H]: the draft layer's outputs at the slots of depth d - 1
+        for d in range(1, len(bounds)):
+            start, end = bounds[d - 1]
+            logits = heads.draft_logits(d - 1, outputs, lm_head)                 # [B, n, V']
+            top = heads.token_ids(logits.topk(tree.top_k, dim=-1).indices)      # [B, n, top_k]
+            level = slice(*bounds[d])
+            node_tokens[:, level] = top[:, tree.parent[level] - start, tree.rank[level]]
+            if d == len(bounds) - 1:
+                break  # the deepest nodes' slots would only guess below the tree
+            # Depth d's slots, appended after the committed ones and those of depths 1 .. d - 1 (nodes 1 .. level.start
+            # - 1, in node order): each sees the committed slots and its ancestors' (the tree mask's columns 1 ..).
+            q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth[level] - 1)
+            allowed = kv_valid[:, None, :].expand(-1, q_pos.shape[1], -1).clone()
+            allowed[:, :, slots.past:] = tree.tree_mask[level, 1: level.stop]
+            mask = layer_masks(DRAFT_LAYER_SPEC, allowed, q_pos, kv_pos, outputs.dtype)
+            outputs = heads.draft_layer(outputs[:, tree.parent[level] - start], self.embed(node_tokens[:, level]), mask,
+                                        q_pos, slots.cache)
+        return Candidates(node_tokens, tree)
+
+    def update(self, step: StepResult) -> None:
+        # A new Slots over a forked cache, not the old one changed: --tree auto times steps from a shallow copy of one
+        # started proposer (autotree), which must find it as it was.
+        slots = self.slots
+        slots = Slots(fork_cache(slots.cache), slots.valid, slots.pos, slots.next_pos, slots.max_position, slots.past)
+        none = torch.zeros_like(step.accept_length)
+        slots.commit(step.kept[:, :0], none, none)  # drop the drafted slots
+        # The step's accepted states: root and accepted nodes, each with the token after it (the last: the bonus),
+        # at the root's position onwards.
+        hidden, kept = step.hidden, step.kept
+        offsets = torch.arange(kept.shape[1], device=kept.device)
+        n_kept = (step.accept_length + 1) * step.going
+        q_pos, kv_valid, kv_pos = slots.verify_inputs(offsets, offsets < n_kept[:, None])
+        causal = torch.ones(kept.shape[1], kept.shape[1], dtype=torch.bool, device=kept.device).tril()
+        mask = attention_masks(DRAFT_LAYER_SPEC, kv_valid, kv_pos, q_pos, causal, hidden.dtype)
+        states = self.heads.features(hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1])))
+        outputs = self.heads.draft_layer(states, self.embed(step.new_tokens), mask, q_pos, slots.cache)
+        slots.commit(offsets.expand(kept.shape[0], -1), n_kept, n_kept)
+        self.slots = slots
+        self.root_output = outputs.gather(1, step.accept_length[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0]
+
+
 def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree) -> Proposer:
     """The heads on `tree`, or RootOnly for a root-only tree (no heads needed)."""
-    return HeadsProposer(base_model, heads, tree) if tree.num_nodes > 1 else RootOnly()
+    if tree.num_nodes == 1:
+        return RootOnly()
+    if getattr(heads, "draft_layer", None) is not None:
+        return DraftLayerProposer(base_model, heads, tree)
+    return HeadsProposer(base_model, heads, tree)
 
 
 def draft_with_heads(heads: nn.Module, base_model: nn.Module, root: torch.Tensor, last_hidden: torch.Tensor,

@@ -122,10 +122,12 @@ def test_greedy_identity_with_dependent_heads_that_draft_long_runs(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("head_type", ["medusa", "dependent"])
+@pytest.mark.parametrize("head_type", ["medusa", "dependent", "eagle"])
 @pytest.mark.parametrize("context_heads", [0, 2], ids=["", "context"])
 @pytest.mark.parametrize("feature_layers", [[], [0, 1]], ids=["", "fused"])
 def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_type, context_heads, feature_layers):
+    if head_type == "eagle" and context_heads:
+        pytest.skip("eagle heads take no context layer (their draft layer attends over the text)")
     model = tiny_model(arch)
     ids = prompt(batch=2)
     expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
@@ -206,7 +208,7 @@ def test_formats_without_dependent_heads_or_token_maps_refuse_them(tmp_path):
 
 
 def test_bad_head_types_and_token_maps_are_named():
-    with pytest.raises(ValueError, match="head_type must be one of medusa, dependent, got 'hydra'"):
+    with pytest.raises(ValueError, match="head_type must be one of medusa, dependent, eagle, got 'hydra'"):
         MedusaConfig(head_type="hydra")
     with pytest.raises(ValueError, match=r"draft_vocab_size \(200\) exceeds vocab_size \(96\)"):
         MedusaConfig(vocab_size=96, draft_vocab_size=200)
@@ -275,10 +277,10 @@ def pair_data(tmp_path_factory):
     return base, data, tokenizer
 
 
-def head0_accuracy(adapter, base, tokenizer, answers: list[str], positions) -> float:
-    """Head 0's top-1 accuracy on the data's own path (teacher forced) over `answers`, each the reply to
-    "count from w1": at each t in positions(start), start being the answer's first token, its guess
-    for the token at t + 2."""
+def head0_accuracy(adapter, base, tokenizer, answers: list[str], positions, head: int = 0) -> float:
+    """Head 0's (or `head`'s) top-1 accuracy on the data's own path (teacher forced) over `answers`, each the reply
+    to "count from w1": at each t in positions(start), start being the answer's first token, its guess
+    for the token at t + 2 (+ head)."""
     from medusa_spec.train.load import load_model_and_tokenizer
     from medusa_spec.train.module import TrainModule
 
@@ -294,20 +296,21 @@ def head0_accuracy(adapter, base, tokenizer, answers: list[str], positions) -> f
         with torch.no_grad():
             out = module(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids))
         head_logits = mm.heads.project(out.head_states, base_model.get_output_embeddings())
-        guesses = mm.heads.token_ids(head_logits[0, :, 0].argmax(-1))
+        guesses = mm.heads.token_ids(head_logits[0, :, head].argmax(-1))
         for t in positions(start):
-            hits += int(guesses[t] == ids[0, t + 2])
+            hits += int(guesses[t] == ids[0, t + 2 + head])
             total += 1
     return hits / total
 
 
-def pair_accuracy(adapter, base, tokenizer) -> float:
-    """At t = the word before a pick, head 0 guesses the pick's pair word."""
+def pair_accuracy(adapter, base, tokenizer, head: int = 0) -> float:
+    """At t = the word `head` + 1 before a pick, head `head` guesses the pick's pair word."""
     rng = random.Random(1)
     picks = [[rng.randrange(WORDS) for _ in range(8)] for _ in range(20)]
     answers = [" ".join(f"w{a} w{PAIR[a]}" for a in row) for row in picks]
-    # ids[t + 1] is a pick, ids[t + 2] its pair word
-    return head0_accuracy(adapter, base, tokenizer, answers, lambda start: range(start - 1, start + 2 * 8 - 2, 2))
+    # ids[t + 1 + head] is a pick, ids[t + 2 + head] its pair word
+    return head0_accuracy(adapter, base, tokenizer, answers,
+                          lambda start: range(start - 1 - head, start + 2 * 8 - 2 - head, 2), head)
 
 
 def test_dependent_heads_learn_what_plain_heads_cannot(pair_data, tmp_path):

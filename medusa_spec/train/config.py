@@ -22,7 +22,9 @@ class TrainConfig:
     num_layers: int = option(1, "residual blocks per head")
     share_lm_head: bool = option(True, "project through the base LM head (no per-head vocabulary matrix)")
     head_type: str = option("medusa", "medusa: heads read the hidden state; dependent (Hydra-style): also the "
-                            "embeddings of the tokens on the path before their guess", choices=HEAD_TYPES)
+                            "embeddings of the tokens on the path before their guess; eagle: a draft layer (one "
+                            "decoder layer with its own cache) drafts level by level on its own outputs, trained "
+                            "unrolled as it drafts", choices=HEAD_TYPES)
     context_heads: int = option(0, "attention heads of a context layer the heads read through (attention over the "
                                 "text so far, with each position's next token; e.g. hidden_size / 64); 0: none")
     feature_layers: list[int] = option([], "decoder layers (1 = the first; 0 = the embeddings) whose hidden states the "

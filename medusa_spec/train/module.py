@@ -77,10 +77,10 @@ class TrainModule(nn.Module):
             next_ids = logits.argmax(-1) if greedy_paths else torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
             next_embeds = embed(next_ids).detach().to(hidden.dtype)
         states = self.heads.features(hidden if train_base else hidden.detach())
+        allowed = causal_within_examples(segment_ids)
         if self.heads.context is not None:
-            states = self.heads.context(states, embed(input_ids).detach().to(hidden.dtype), next_embeds,
-                                        causal_within_examples(segment_ids))
-        head_states = self.heads.states(states, next_embeds)
+            states = self.heads.context(states, embed(input_ids).detach().to(hidden.dtype), next_embeds, allowed)
+        head_states = self.heads.states(states, next_embeds, allowed, position_ids)
         loss = None
         if loss_mask is not None:
             projections = [self.heads.projection(k, lm_head) for k in range(self.heads.num_heads)]
