@@ -107,10 +107,11 @@ class MedusaConfig:
             raise ValueError(f"MedusaConfig.draft_layer is for head_type 'eagle' only; set it to null for "
                              f"{self.head_type} heads")
         keys = ("num_attention_heads", "intermediate_size")
-        if (not isinstance(shape, dict) or sorted(shape) != sorted(keys)
-                or not all(isinstance(shape[k], int) and not isinstance(shape[k], bool) and shape[k] >= 1 for k in keys)):
-            raise ValueError(f"MedusaConfig.draft_layer must be {{\"num_attention_heads\": n, \"intermediate_size\": m}} "
-                             f"with positive integers (or null to take them from the base model), got {shape!r}")
+        positive = [isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape.values()] \
+            if isinstance(shape, dict) else [False]
+        if not isinstance(shape, dict) or sorted(shape) != sorted(keys) or not all(positive):
+            raise ValueError(f"MedusaConfig.draft_layer must be {{\"num_attention_heads\": n, \"intermediate_size\": "
+                             f"m}} with positive integers (or null to take them from the base model), got {shape!r}")
         if self.hidden_size and self.hidden_size % shape["num_attention_heads"]:
             raise ValueError(f"MedusaConfig.draft_layer: num_attention_heads ({shape['num_attention_heads']}) must "
                              f"divide hidden_size ({self.hidden_size})")

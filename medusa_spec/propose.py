@@ -3,14 +3,14 @@
 A proposer is told the prompt once (`start`), then each step gives the candidates after the root
 (`propose`) and learns what the base model accepted (`update`), as transformers' assisted decoding
 has `get_candidates` / `update_candidate_strategy`. Medusa heads (plain or dependent, with their
-context layer's cache) and eagle heads (their draft layer's own cache) are here; the lookup chain and the heads + chain merge are in lookup.py, the
-draft model in draft.py.
+context layer's cache) and eagle heads (their draft layer's own cache) are here; the lookup chain
+and the heads + chain merge are in lookup.py, the draft model in draft.py.
 
 Plain Medusa heads do not see their parent, so one call gives every head's top-k list and
 siblings at one depth share it. Dependent heads read the tokens on the path to their parent,
 so the tree is drafted level by level: one batched head call over all nodes of depth d - 1
-gives the candidates of depth d. Eagle heads draft level by level too, each level one pass of their draft
-layer over the nodes of the level above.
+gives the candidates of depth d. Eagle heads draft level by level too, each level one pass of
+their draft layer over the nodes of the level above.
 """
 
 from __future__ import annotations

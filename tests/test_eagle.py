@@ -12,22 +12,28 @@ import torch
 from transformers import DynamicCache
 
 from medusa_spec import MedusaConfig, MedusaModel, build_tree
-from medusa_spec.eagle import DRAFT_LAYER_SPEC, DraftLayer
+from medusa_spec.eagle import DraftLayer
 from medusa_spec.formats import convert
 from medusa_spec.inputs import resolve_sampling
 from medusa_spec.kv_cache import new_cache
 from medusa_spec.lookup import with_lookup
 from medusa_spec.loop import decode
-from medusa_spec.propose import DraftLayerProposer, Prompt, heads_proposer
+from medusa_spec.propose import DraftLayerProposer, Prompt
 from medusa_spec.slots import prefill
 from medusa_spec.train.loop import train
 from medusa_spec.train.module import causal_within_examples
-from medusa_spec.verify import attention_masks
-from test_dependent_heads import TREE, assert_samples_follow_the_base, one_thread, pair_accuracy, pair_data, random_heads  # noqa: F401 (fixtures)
+from test_dependent_heads import (  # noqa: F401, F811 (fixtures)
+    TREE,
+    assert_samples_follow_the_base,
+    one_thread,
+    pair_accuracy,
+    pair_data,
+    random_heads,
+)
 from test_generate import left_padded, prompt, reference_generate
 from test_sampling import SETTINGS
 from test_training import small_run
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import tiny_model
 
 
 def random_layer(hidden_size=16, seed=0) -> DraftLayer:
@@ -246,7 +252,7 @@ def test_bad_eagle_settings_are_named(tmp_path):
         MedusaModel.from_pretrained(model, tmp_path)
 
 
-def test_eagle_heads_learn_what_plain_heads_cannot(pair_data, tmp_path):
+def test_eagle_heads_learn_what_plain_heads_cannot(pair_data, tmp_path):  # noqa: F811
     """Pairs (a, PAIR[a]) with `a` random: the word after a pick is decided by the pick, which the draft layer
     reads as its slot's next token: head 0 as the root's, head 1 as the drafted slot's, on its own output."""
     base, data, tokenizer = pair_data
