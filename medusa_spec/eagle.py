@@ -47,7 +47,12 @@ def draft_layer_shape(text_config, hidden_size: int) -> dict[str, int]:
 
 class DraftLayer(nn.Module):
     """fc: [u(state), u(next token's embedding)] -> H; one Llama decoder layer; a final RMS norm (the output stands
-    for a normed final state, what the LM head reads)."""
+    for a normed final state, what the LM head reads).
+
+    A new layer passes the state through: fc starts as [I, 0] and the layer's two residual branches end in
+    zero-initialised projections, so its output at slot j is the base's state at j, whose guess (the token after j)
+    is where new Medusa heads start too. From a random start the heads' loss began above a uniform guess's
+    (cross-entropy 11.7 over a 4,096-token draft vocabulary, SmolLM2-135M)."""
 
     def __init__(self, hidden_size: int, shape: dict[str, int]):
         super().__init__()
@@ -60,6 +65,11 @@ class DraftLayer(nn.Module):
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         self.norm = LlamaRMSNorm(hidden_size, eps=config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+            self.layer.self_attn.o_proj.weight.zero_()
+            self.layer.mlp.down_proj.weight.zero_()
 
     def forward(self, states: torch.Tensor, next_embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                 cache: DynamicCache) -> torch.Tensor:

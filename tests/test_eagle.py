@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from medusa_spec import MedusaConfig, MedusaModel, build_tree
+from medusa_spec.context import unit_rms
 from medusa_spec.eagle import DraftLayer
 from medusa_spec.formats import convert
 from medusa_spec.inputs import resolve_sampling
@@ -260,3 +261,15 @@ def test_eagle_heads_learn_what_plain_heads_cannot(pair_data, tmp_path):  # noqa
                     eval_examples=4))
     accuracy = [pair_accuracy(tmp_path, base, tokenizer, head) for head in (0, 1)]
     assert min(accuracy) > 0.7, accuracy
+
+
+def test_a_new_draft_layer_passes_the_state_through():
+    """So new eagle heads start where new Medusa heads do: each slot's output guesses the token after its state."""
+    layer = DraftLayer(16, {"num_attention_heads": 2, "intermediate_size": 24})
+    g = torch.Generator().manual_seed(0)
+    states, next_embeds = torch.randn(2, 5, 16, generator=g) * 3, torch.randn(2, 5, 16, generator=g)
+    with torch.no_grad():
+        out = layer.unroll(states, next_embeds, causal_within_examples(torch.ones(2, 5, dtype=torch.long)),
+                           torch.arange(5).expand(2, -1), steps=2)
+    assert torch.allclose(out[:, :, 0], unit_rms(states), atol=1e-4)
+    assert torch.allclose(out[:, :, 1], unit_rms(states), atol=1e-4)  # and down the drafted path, the same state
