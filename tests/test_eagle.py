@@ -273,3 +273,16 @@ def test_a_new_draft_layer_passes_the_state_through():
                            torch.arange(5).expand(2, -1), steps=2)
     assert torch.allclose(out[:, :, 0], unit_rms(states), atol=1e-4)
     assert torch.allclose(out[:, :, 1], unit_rms(states), atol=1e-4)  # and down the drafted path, the same state
+
+
+def test_the_default_tree_is_timed_with_the_draft_layer_and_stays_lossless():
+    """tree=None with measured accuracies: auto_tree times the draft layer's steps (copies of one started
+    proposer) and the chosen tree generates the base's greedy text."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=2)
+    mm.config.metrics = {"eval": {"rank_accuracy": [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1]]}}
+    choices, table = mm.auto_tree(sizes=(1, 2, 4), repeats=1)
+    assert all(row["draft_ms"] > 0 for row in table if row["nodes"] > 1), table
+    ids = prompt(batch=2)
+    expected = reference_generate(model, ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(mm.generate(ids, max_new_tokens=16, eos_token_id=[]).sequences, expected)
