@@ -16,7 +16,14 @@ from medusa_spec.context import ContextLayer
 from medusa_spec.formats import convert
 from medusa_spec.train.loop import train
 from medusa_spec.train.module import causal_within_examples
-from test_dependent_heads import TREE, assert_samples_follow_the_base, head0_accuracy, one_thread, random_heads  # noqa: F401 (an autouse fixture)
+from test_dependent_heads import (  # noqa: F401 (an autouse fixture)
+    TREE,
+    assert_round_trips,
+    assert_samples_follow_the_base,
+    head0_accuracy,
+    one_thread,
+    random_heads,
+)
 from test_generate import left_padded, prompt, reference_generate
 from test_sampling import SETTINGS
 from test_training import WORDS, make_tokenizer, small_run, tiny_llama
@@ -99,15 +106,8 @@ def test_sampling_with_a_context_layer_matches_the_base(sampling):
 def test_context_layer_round_trips_and_other_formats_refuse_it(tmp_path):
     model = tiny_model("llama")
     mm = random_heads(model, head_type="dependent", context_heads=2, scale=0.1)
-    mm.save_heads(tmp_path / "own")
+    assert_round_trips(mm, tmp_path / "own", "context.qkv.weight")
     assert json.loads((tmp_path / "own" / "medusa_config.json").read_text())["context_heads"] == 2
-    loaded = MedusaModel.from_pretrained(tiny_model("llama"), tmp_path / "own")
-    state, loaded_state = mm.heads.state_dict(), loaded.heads.state_dict()
-    assert state.keys() == loaded_state.keys() and "context.qkv.weight" in state
-    assert all(torch.equal(state[k], loaded_state[k]) for k in state)
-    ids = prompt()
-    assert torch.equal(mm.generate(ids, max_new_tokens=12, tree=TREE).sequences,
-                       loaded.generate(ids, max_new_tokens=12, tree=TREE).sequences)
     random_heads(model, num_heads=2, context_heads=2).save_heads(tmp_path / "plain")
     for to in ("vllm", "medusa"):
         with pytest.raises(ValueError, match=r"has no context layer \(context_heads > 0\); keep these heads"):

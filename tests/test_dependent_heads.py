@@ -139,11 +139,12 @@ def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_t
                            expected)
 
 
+@pytest.mark.parametrize("head_type", ["dependent", "eagle"])
 @pytest.mark.parametrize("sampling", SETTINGS[1:4], ids=str)
-def test_sampling_with_dependent_heads_and_a_reduced_vocabulary_matches_the_base(sampling):
+def test_sampling_with_dependent_heads_and_a_reduced_vocabulary_matches_the_base(sampling, head_type):
     model = tiny_model("llama", vocab_size=6)
     ids = torch.tensor([[3, 5, 4, 1]])
-    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type="dependent", draft_vocab_size=4))
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type=head_type, draft_vocab_size=4))
     mm.heads.set_token_map(torch.tensor([4, 1, 0, 3]), model.get_output_embeddings())
     assert_samples_follow_the_base(mm, ids, sampling)
 
@@ -160,6 +161,19 @@ def assert_samples_follow_the_base(mm, ids, sampling):
 
 
 # --- adapters -----------------------------------------------------------------------------------------------------
+
+def assert_round_trips(mm, path, weight_name: str):
+    """mm's heads saved to `path` load onto a fresh tiny llama with every tensor (`weight_name` among them) equal,
+    and generate the same tokens."""
+    mm.save_heads(path)
+    loaded = MedusaModel.from_pretrained(tiny_model("llama"), path)
+    state, loaded_state = mm.heads.state_dict(), loaded.heads.state_dict()
+    assert state.keys() == loaded_state.keys() and weight_name in state
+    assert all(torch.equal(state[k], loaded_state[k]) for k in state)
+    ids = prompt()
+    assert torch.equal(mm.generate(ids, max_new_tokens=12, tree=TREE).sequences,
+                       loaded.generate(ids, max_new_tokens=12, tree=TREE).sequences)
+
 
 @pytest.mark.parametrize("share_lm_head", [True, False])
 def test_dependent_heads_with_a_token_map_round_trip(tmp_path, share_lm_head):
