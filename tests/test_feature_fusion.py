@@ -96,9 +96,10 @@ def test_training_learns_the_projection_from_cached_states(base_dir, conversatio
     assert model.heads.fuse.weight.abs().sum() > 0  # started at zero: training moved it
 
 
-def test_cached_states_give_the_heads_what_the_base_pass_gives():
+@pytest.mark.parametrize("head_type", ["dependent", "eagle"])
+def test_cached_states_give_the_heads_what_the_base_pass_gives(head_type):
     model = tiny_model("llama")
-    mm = random_heads(model, feature_layers=[0], head_type="dependent")
+    mm = random_heads(model, feature_layers=[0], head_type=head_type)
     module = TrainModule(model, mm.heads, mm.spec.bool_mask, mm.spec.takes_logits_to_keep)
     ids = prompt(batch=2)
     positions = torch.arange(ids.shape[1]).expand_as(ids)
