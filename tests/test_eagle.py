@@ -269,3 +269,13 @@ def test_the_default_tree_is_timed_with_the_draft_layer_and_stays_lossless():
     ids = prompt(batch=2)
     expected = reference_generate(model, ids, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(mm.generate(ids, max_new_tokens=16, eos_token_id=[]).sequences, expected)
+
+
+def test_the_draft_layers_mlp_width_is_a_training_setting(pair_data, tmp_path):  # noqa: F811
+    base, data, _ = pair_data
+    train(small_run(base, data, tmp_path, head_type="eagle", num_heads=2, draft_layer_mlp=12, max_steps=2,
+                    max_length=64, eval_examples=2))
+    config = json.loads((tmp_path / "medusa_config.json").read_text())
+    assert config["draft_layer"]["intermediate_size"] == 12
+    with pytest.raises(ValueError, match="--draft-layer-mlp sets the width of eagle heads"):
+        small_run(base, data, tmp_path, head_type="dependent", draft_layer_mlp=12)

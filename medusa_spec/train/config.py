@@ -30,6 +30,8 @@ class TrainConfig:
     feature_layers: list[int] = option([], "decoder layers (1 = the first; 0 = the embeddings) whose hidden states the "
                                        "heads read beside the final one, through a learned projection (EAGLE-3's "
                                        "feature fusion; e.g. a low and a middle layer: 8 16 of 30); default: none")
+    draft_layer_mlp: int | None = option(None, "eagle heads: the draft layer's MLP width (a narrower one drafts "
+                                         "faster on CPUs); default: the base model's")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
                                      "(a token map saved with them); default: the full vocabulary")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")
@@ -83,3 +85,6 @@ class TrainConfig:
                      "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_layer_mlp is not None and (self.head_type != "eagle" or self.draft_layer_mlp < 1):
+            raise ValueError(f"--draft-layer-mlp sets the width of eagle heads' draft layer: use it with --head-type "
+                             f"eagle and a width >= 1, got {self.draft_layer_mlp} with --head-type {self.head_type}")

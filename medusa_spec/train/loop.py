@@ -22,6 +22,7 @@ from peft import LoraConfig, get_peft_model
 from .. import default_model
 from ..base import inspect_base_model
 from ..config import MedusaConfig
+from ..eagle import draft_layer_shape
 from ..model import MedusaModel
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -67,11 +68,16 @@ def train(cfg: TrainConfig) -> dict:
     max_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
 
     # 2. Heads (+ LoRA), optimizer with one learning rate per group, schedule.
+    draft_layer = None  # eagle heads: the base's shape (MedusaModel.from_base), unless the MLP width is set
+    if cfg.draft_layer_mlp is not None:
+        draft_layer = {**draft_layer_shape(base_model.config.get_text_config(decoder=True), spec.hidden_size),
+                       "intermediate_size": cfg.draft_layer_mlp}
     medusa = MedusaModel.from_base(base_model, MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                                             share_lm_head=cfg.share_lm_head, head_type=cfg.head_type,
                                                             draft_vocab_size=cfg.draft_vocab,
                                                             context_heads=cfg.context_heads,
-                                                            feature_layers=cfg.feature_layers))
+                                                            feature_layers=cfg.feature_layers,
+                                                            draft_layer=draft_layer))
     heads = medusa.heads.float()
     draft_targets, vocab_summary = None, {}
     if cfg.draft_vocab is not None:
