@@ -18,6 +18,8 @@ def test_linear_equals_nn_linear(rows, bias):
     torch.testing.assert_close(linear(x, layer.weight, layer.bias), layer(x))
     x3 = torch.randn(2, rows, 24)  # leading dimensions are kept
     torch.testing.assert_close(linear(x3, layer.weight, layer.bias), layer(x3))
+    # nn.Linear's layout too: a transposed view sends sdpa to its slow math kernel and slows elementwise ops.
+    assert linear(x3, layer.weight, layer.bias).stride() == layer(x3).stride()
 
 
 def test_linear_switches_kernel_only_for_a_few_fp32_rows(monkeypatch):
