@@ -53,45 +53,49 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     (default: equal accuracies): a dependent head's drafting cost is one call per tree depth, so a tree of the
     same size but another shape costs another time (over a full 49k vocabulary, a one-level 4-node tree
     drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
-    with columnwise_linears(mm.base_model, mm.heads):  # as the decoding loop runs (see columnwise)
-        base, spec = mm.base_model, mm.spec
-        device = base.get_output_embeddings().weight.device
-        ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
-        valid = torch.ones_like(ids, dtype=torch.bool)
-        layers = getattr(mm.heads, "feature_layers", ())
+    columnwise = columnwise_linears(mm.base_model, mm.heads)  # around the forwards, as the decoding loop runs
+    base, spec = mm.base_model, mm.spec
+    device = base.get_output_embeddings().weight.device
+    ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    layers = getattr(mm.heads, "feature_layers", ())
+    with columnwise:
         _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)
-        root = ids[:, -1]  # any token: only the costs count
-        prompt = Prompt(ids, valid, hidden, root, None)
-        keep_nothing = torch.zeros(1, 0, dtype=torch.long, device=device)
-        no_rows = torch.zeros(1, dtype=torch.long, device=device)
+    root = ids[:, -1]  # any token: only the costs count
+    prompt = Prompt(ids, valid, hidden, root, None)
+    keep_nothing = torch.zeros(1, 0, dtype=torch.long, device=device)
+    no_rows = torch.zeros(1, dtype=torch.long, device=device)
 
-        def verify(candidates: Candidates) -> torch.Tensor:
-            """As the decoding loop verifies, then commits nothing: the cache stays at `context`."""
-            q_pos, kv_valid, kv_pos = slots.verify_inputs(candidates.tree.depth)
+    def verify(candidates: Candidates) -> torch.Tensor:
+        """As the decoding loop verifies, then commits nothing: the cache stays at `context`."""
+        q_pos, kv_valid, kv_pos = slots.verify_inputs(candidates.tree.depth)
+        with columnwise:
             _, verified = forward_block(base, spec, candidates.node_tokens, q_pos, candidates.tree.tree_mask,
                                         slots.cache, kv_valid, kv_pos, feature_layers=layers)
-            slots.commit(keep_nothing, no_rows, no_rows)
-            return verified
+        slots.commit(keep_nothing, no_rows, no_rows)
+        return verified
 
-        accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
-        trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
-        proposers, steps = {}, {}
-        for n, tree in trees.items():
-            proposers[n] = heads_proposer(base, mm.heads, tree)
-            proposers[n].start(prompt)
+    accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
+    trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
+    proposers, steps = {}, {}
+    for n, tree in trees.items():
+        proposers[n] = heads_proposer(base, mm.heads, tree)
+        proposers[n].start(prompt)
+        with columnwise:
             candidates = proposers[n].propose(root)
-            steps[n] = deepest_step(candidates, verify(candidates), root)  # also the verify pass's warm-up
+        steps[n] = deepest_step(candidates, verify(candidates), root)  # also the verify pass's warm-up
 
-        def draft(n: int) -> None:
-            # Each step from the started proposer: update replaces its state (a new context cache) rather than
-            # changing it, so a shallow copy starts where the prompt left it, and every step sees `context` slots.
-            proposer = copy.copy(proposers[n])
+    def draft(n: int) -> None:
+        # Each step from the started proposer: update replaces its state (a new context cache) rather than
+        # changing it, so a shallow copy starts where the prompt left it, and every step sees `context` slots.
+        proposer = copy.copy(proposers[n])
+        with columnwise:
             proposer.update(steps[n])
             proposer.propose(root)
 
-        latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device)
-        draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats, device)
-        return latency, draft_seconds
+    latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device)
+    draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats, device)
+    return latency, draft_seconds
 
 
 def deepest_step(candidates: Candidates, hidden: torch.Tensor, bonus: torch.Tensor) -> StepResult:
