@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from .columnwise import columnwise_linears
+from .columnwise import columnwise_copy
 from .kv_cache import new_cache
 from .loop import wait_for
 from .propose import Candidates, HostStep, Prompt, StepResult, heads_proposer
@@ -53,14 +53,12 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     (default: equal accuracies): a dependent head's drafting cost is one call per tree depth, so a tree of the
     same size but another shape costs another time (over a full 49k vocabulary, a one-level 4-node tree
     drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
-    columnwise = columnwise_linears(mm.base_model, mm.heads)  # around the forwards, as the decoding loop runs
-    base, spec = mm.base_model, mm.spec
+    base, spec = columnwise_copy(mm.base_model), mm.spec  # as the decoding loop runs it (see columnwise)
     device = base.get_output_embeddings().weight.device
     ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
     valid = torch.ones_like(ids, dtype=torch.bool)
     layers = getattr(mm.heads, "feature_layers", ())
-    with columnwise:
-        _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)
+    _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)
     root = ids[:, -1]  # any token: only the costs count
     prompt = Prompt(ids, valid, hidden, root, None)
     keep_nothing = torch.zeros(1, 0, dtype=torch.long, device=device)
@@ -69,9 +67,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     def verify(candidates: Candidates) -> torch.Tensor:
         """As the decoding loop verifies, then commits nothing: the cache stays at `context`."""
         q_pos, kv_valid, kv_pos = slots.verify_inputs(candidates.tree.depth)
-        with columnwise:
-            _, verified = forward_block(base, spec, candidates.node_tokens, q_pos, candidates.tree.tree_mask,
-                                        slots.cache, kv_valid, kv_pos, feature_layers=layers)
+        _, verified = forward_block(base, spec, candidates.node_tokens, q_pos, candidates.tree.tree_mask,
+                                    slots.cache, kv_valid, kv_pos, feature_layers=layers)
         slots.commit(keep_nothing, no_rows, no_rows)
         return verified
 
@@ -81,17 +78,15 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     for n, tree in trees.items():
         proposers[n] = heads_proposer(base, mm.heads, tree)
         proposers[n].start(prompt)
-        with columnwise:
-            candidates = proposers[n].propose(root)
+        candidates = proposers[n].propose(root)
         steps[n] = deepest_step(candidates, verify(candidates), root)  # also the verify pass's warm-up
 
     def draft(n: int) -> None:
         # Each step from the started proposer: update replaces its state (a new context cache) rather than
         # changing it, so a shallow copy starts where the prompt left it, and every step sees `context` slots.
         proposer = copy.copy(proposers[n])
-        with columnwise:
-            proposer.update(steps[n])
-            proposer.propose(root)
+        proposer.update(steps[n])
+        proposer.propose(root)
 
     latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device)
     draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats, device)

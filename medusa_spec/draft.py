@@ -19,6 +19,7 @@ from torch import nn
 
 from .accept import Sampling, processed_probs
 from .base import inspect_base_model, model_device_dtype
+from .columnwise import columnwise_copy
 from .inputs import resolve_sampling, special_tokens
 from .kv_cache import new_cache
 from .loop import StepTimer, decode
@@ -132,8 +133,9 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, draft_model: nn.Module, draft_spec, sampling: Sampling, num_draft_tokens: int | None,
                  max_draft_tokens: int):
-        self.draft_model, self.draft_spec, self.sampling = draft_model, draft_spec, sampling
-        self.modules = (draft_model,)
+        # A column-wise copy (see columnwise), as the loop runs the base model.
+        self.draft_model, self.draft_spec, self.sampling = columnwise_copy(draft_model), draft_spec, sampling
+        self.modules = (self.draft_model,)
         self.num_draft_tokens, self.max_draft_tokens = num_draft_tokens, max_draft_tokens
         self.max_depth = num_draft_tokens or max_draft_tokens
         self.draft_length = num_draft_tokens or min(FIRST_DRAFT_LENGTH, max_draft_tokens)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .accept import Sampling, accept_candidates, draw_targets
 from .base import BaseSpec
-from .columnwise import columnwise_linears
+from .columnwise import columnwise_copy
 from .inputs import prepare_inputs
 from .kv_cache import new_cache
 from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
@@ -118,18 +118,16 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         timer.start(device)
 
     with torch.inference_mode(), ExitStack() as modes:
-        # The candidates' few rows run column-wise on CPU (see columnwise): around the forwards only, the
-        # bookkeeping between them runs without the mode. Proposers run in eval mode.
-        columnwise = columnwise_linears(base_model, *proposer.modules)
+        # The candidates' few rows run column-wise on CPU, through a copy of the model (see columnwise); proposers
+        # run in eval mode.
+        base_model = columnwise_copy(base_model)
         for module in proposer.modules:
             modes.enter_context(eval_mode(module))
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
         layers = proposer.feature_layers
-        with columnwise:
-            logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position,
-                                            layers)
+        logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position, layers)
         root = draw_targets(logits, sampling)[:, -1]
         count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
         stats.steps = 1
@@ -141,15 +139,13 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
 
         while not done:
             # 2. Propose.
-            with columnwise:
-                candidates = proposer.propose(root)
+            candidates = proposer.propose(root)
             node_tokens, tree = candidates.node_tokens, candidates.tree
             lap("propose")
             # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
             q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
-            with columnwise:
-                logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, slots.cache,
-                                               kv_valid, kv_pos, feature_layers=layers)
+            logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
+                                           kv_pos, feature_layers=layers)
             lap("verify")
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
             last_node, accept_length, bonus = accept_candidates(candidates, logits, sampling)
@@ -174,9 +170,8 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             going = ~writer.finished
             host = HostStep(accept_lengths, [bool(a) for a in synced[1 + 2 * batch: 1 + 3 * batch]], emitted)
             lap("accept")
-            with columnwise:
-                proposer.update(StepResult(candidates, hidden, last_node, accept_length, path[:, :longest],
-                                           new_tokens[:, :longest], active, going, host))
+            proposer.update(StepResult(candidates, hidden, last_node, accept_length, path[:, :longest],
+                                       new_tokens[:, :longest], active, going, host))
             lap("propose")  # the proposer's own bookkeeping (a state, a cache, an index) is drafting work
             # 5. Commit: keep each row's accepted path in the cache (rows that accepted fewer than the longest
             # get invalid slots: sync points), then move the root forward. A finished row stays in the batch

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .columnwise import columnwise_copy
 from .eagle import DRAFT_LAYER_SPEC
 from .kv_cache import fork_cache, new_cache
 from .output import GenerationStats
@@ -90,8 +91,8 @@ class StepResult:
 
 
 class Proposer:
-    """The contract (a base class with the trivial parts): `modules` the proposer runs (the loop computes
-    their few rows column-wise and holds them in eval mode; a model's position limit also caps the
+    """The contract (a base class with the trivial parts): `modules` the proposer runs, column-wise copies of
+    the caller's (see columnwise; the loop holds them in eval mode, and a model's position limit also caps the
     positions), `max_depth` the deepest candidate it may propose, `feature_layers` the base model's layers
     whose hidden states it reads beside the final one (verify.base_features)."""
 
@@ -245,9 +246,11 @@ class DraftLayerProposer(Proposer):
 
 
 def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree) -> Proposer:
-    """The heads on `tree`, or RootOnly for a root-only tree (no heads needed)."""
+    """The heads on `tree` (through a column-wise copy: see columnwise), or RootOnly for a root-only tree (no heads
+    needed)."""
     if tree.num_nodes == 1:
         return RootOnly()
+    heads = columnwise_copy(heads)
     if getattr(heads, "draft_layer", None) is not None:
         return DraftLayerProposer(base_model, heads, tree)
     return HeadsProposer(base_model, heads, tree)

@@ -67,8 +67,8 @@ def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor
     Returns (logits [B, N or 1, V], hidden [B, N, H]) where hidden is the final hidden state
     after the model's last norm (with feature_layers, followed by those layers' states: see base_features);
     the new keys and values are appended to `cache`.
-    The decoding loops call it inside columnwise_linears: a tree's few rows then cost about what
-    one row does on CPU (see columnwise).
+    The decoding loops call it on a columnwise_copy of the model: a tree's few rows then cost about
+    what one row does on CPU (see columnwise).
     """
     dtype = base_model.get_output_embeddings().weight.dtype
     mask = attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype)

@@ -1,11 +1,11 @@
-"""Column-wise linear layers: the same products as nn.Linear, only where they are faster, and only inside
-columnwise_linears (see test_model_untouched for other threads)."""
+"""Column-wise linear layers: the same products as nn.Linear, only where they are faster, and only in a
+columnwise_copy (see test_model_untouched for other threads)."""
 
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, columnwise
-from medusa_spec.columnwise import MAX_ROWS, columnwise_linears, linear
+from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec.columnwise import MAX_ROWS, columnwise_copy, linear
 from tiny_models import VOCAB, tiny_model
 
 
@@ -43,47 +43,55 @@ def spy_on_products(monkeypatch):
     return products
 
 
-def test_columnwise_linears_route_plain_layers_within_the_block_only(monkeypatch):
+def test_columnwise_copy_routes_plain_layers_and_leaves_the_module_alone(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
     x = torch.randn(2, 3, 16)
     expected = model(x)
     products = spy_on_products(monkeypatch)
-    with columnwise_linears(model):
-        torch.testing.assert_close(model(x), expected)
-    assert products == [(id(model[0].weight), 6), (id(model[1].weight), 6)]
+    copy = columnwise_copy(model)
+    torch.testing.assert_close(copy(x), expected)
+    assert products == [(id(model[0].weight), 6), (id(model[1].weight), 6)]  # the very tensors, shared
     model(x)
-    with pytest.raises(RuntimeError, match="boom"), columnwise_linears(model):
-        raise RuntimeError("boom")
-    model(x)
-    assert len(products) == 2  # nothing routed after the block, errors included
+    assert len(products) == 2  # the module itself still runs nn.Linear
+    assert [type(m) for m in model] == [torch.nn.Linear] * 2
 
 
-def test_subclasses_and_weights_swapped_in_are_left_alone(monkeypatch):
+def test_nothing_done_to_the_copy_reaches_the_module():
+    """Own containers per copied submodule: hooks (transformers installs its output-capturing hooks at the first
+    forward asking for hidden states), children, parameters and training flags set on the copy stay there."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    model[1].register_forward_hook(lambda *a: None)  # a hook already there is shared: it runs on the copy too
+    copy = columnwise_copy(model)
+    assert len(copy[1]._forward_hooks) == 1
+    copy[1][0].register_forward_hook(lambda *a: None)
+    copy[0].register_forward_pre_hook(lambda *a: None)
+    copy[0].extra = torch.nn.Linear(1, 1)
+    copy[1][0].weight = torch.nn.Parameter(torch.zeros(4, 4))
+    copy.eval()
+    assert not model[1][0]._forward_hooks and not model[0]._forward_pre_hooks
+    assert not hasattr(model[0], "extra") and len(model[1]._forward_hooks) == 1
+    assert bool(model[1][0].weight.detach().any()) and model.training and model[1][0].training
+
+
+def test_subclasses_are_left_alone_and_shared_modules_stay_shared(monkeypatch):
     class Quantised(torch.nn.Linear):
         pass
 
-    model = torch.nn.Sequential(Quantised(4, 4), torch.nn.Linear(4, 4))
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(Quantised(4, 4), shared, shared)
     products = spy_on_products(monkeypatch)
-    with columnwise_linears(model):
-        model(torch.randn(3, 4))
-        assert products == [(id(model[1].weight), 3)]
-        model[1].weight = torch.nn.Parameter(torch.randn(4, 4))  # as accelerate's offload hooks swap weights in
-        model(torch.randn(3, 4))
-        assert len(products) == 1
+    copy = columnwise_copy(model)
+    assert type(copy[0]) is Quantised and copy[1] is copy[2]
+    copy(torch.randn(3, 4))
+    assert products == [(id(shared.weight), 3)] * 2
 
 
-def test_nothing_is_intercepted_unless_fp32_on_cpu(monkeypatch):
-    """Off CPU/fp32 `linear` would only fall back to nn.Linear: no mode is pushed, so no op pays for one."""
-    calls = []
-    monkeypatch.setattr(columnwise, "linear", lambda *a: calls.append(a) or torch.nn.functional.linear(*a))
+def test_nothing_is_copied_unless_fp32_on_cpu():
+    """Off CPU/fp32 `linear` would only fall back to nn.Linear: the module itself runs."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with columnwise_linears(model.bfloat16(), None):
-        model(torch.randn(3, 4, dtype=torch.bfloat16))
-    assert not calls
-    with columnwise_linears(model.float(), None):
-        model(torch.randn(3, 4))
-    assert len(calls) == 1
+    assert columnwise_copy(model.bfloat16()) is model and columnwise_copy(None) is None
+    assert columnwise_copy(model.float()) is not model
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "dependent"])
@@ -100,22 +108,3 @@ def test_generate_runs_tree_and_heads_columnwise(head_type, monkeypatch):
     assert weights <= {weight for weight, _ in products}
     assert 8 in {columns for _, columns in products}  # tree passes of 4 nodes, two rows (the prefill: 16)
 
-
-def test_mode_is_held_around_the_forwards_only(monkeypatch):
-    """The mode adds Python work to every op it sees, so acceptance and the bookkeeping between forwards run
-    without it (SmolLM2-135M: accept and commit 5.4 -> 3.1 ms a step)."""
-    from medusa_spec import loop
-
-    modes_seen = {}
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            modes_seen.setdefault(name, set()).add(torch._C._len_torch_function_stack())
-            return fn(*args, **kwargs)
-        monkeypatch.setattr(loop, name, wrapped)
-
-    spy("forward_block", loop.forward_block)
-    spy("accept_candidates", loop.accept_candidates)
-    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
-    mm.generate(torch.randint(3, VOCAB, (1, 6)), max_new_tokens=6, eos_token_id=[], tree=[[0], [1]])
-    assert modes_seen == {"forward_block": {1}, "accept_candidates": {0}}

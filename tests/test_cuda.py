@@ -1,12 +1,20 @@
 """The CUDA path, on tiny models (marked `cuda`: skipped without a CUDA device; scripts/gpu_check.py runs them):
 greedy output equals transformers' on the GPU for every architecture, with heads that miss and heads that propose
 long runs, in batches, with the draft model and the lookup chain; one verify pass gives each node its sequential
-logits in fp32 and bf16; no torch function mode runs there; seeded sampling repeats."""
+logits in fp32 and bf16; no column-wise copy is made there; seeded sampling repeats."""
 
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, columnwise, generate_with_draft, generate_with_lookup, self_draft
+from medusa_spec import (
+    MedusaConfig,
+    MedusaModel,
+    columnwise,
+    generate_with_draft,
+    generate_with_lookup,
+    loop,
+    self_draft,
+)
 from medusa_spec.kv_cache import new_cache
 from medusa_spec.slots import prefill
 from medusa_spec.tree import build_tree
@@ -92,23 +100,24 @@ def test_tree_logits_equal_sequential_logits_on_cuda(dtype):
                 assert float((got - expected).abs().max()) <= bound, f"node {node}"
 
 
-def test_no_torch_function_mode_runs_on_cuda(monkeypatch):
-    """Column-wise products are for fp32 CPU weights: on CUDA generate enters no torch function mode, so no op takes
-    a Python detour (the same spy sees the mode entered for the CPU model)."""
-    entered = []
+def test_no_columnwise_copy_is_made_on_cuda(monkeypatch):
+    """Column-wise products are for fp32 CPU weights: on CUDA generate runs the model itself (the same spy sees a
+    copy made of the CPU model)."""
+    copied = []
+    original = columnwise.columnwise_copy
 
-    class Recording(columnwise._ColumnwiseLinears):
-        def __init__(self, weights):
-            super().__init__(weights)
-            entered.append(len(weights))
+    def recording(module):
+        copy = original(module)
+        copied.append(copy is not module)
+        return copy
 
-    monkeypatch.setattr(columnwise, "_ColumnwiseLinears", Recording)
+    monkeypatch.setattr(loop, "columnwise_copy", recording)
     ids = prompt()
     medusa(tiny_model("llama")).generate(ids, max_new_tokens=8, tree=TREE)
-    assert entered
-    entered.clear()
+    assert copied == [True]
+    copied.clear()
     medusa(on_cuda("llama")).generate(ids.to(CUDA), max_new_tokens=8, tree=TREE)
-    assert entered == []
+    assert copied == [False]
 
 
 def test_seeded_sampling_repeats_on_cuda():

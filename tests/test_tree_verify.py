@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from medusa_spec.base import inspect_base_model
-from medusa_spec.columnwise import columnwise_linears
+from medusa_spec.columnwise import columnwise_copy
 from medusa_spec.kv_cache import keep_accepted, new_cache
 from medusa_spec.tree import build_tree
 from medusa_spec.verify import forward_block
@@ -18,18 +18,18 @@ PROMPT, PAD = 3 * WINDOW, 4  # row 1 is left-padded by PAD
 
 def prefill_and_verify(model, tree, prompts, attention_mask, node_tokens):
     """Prefill, then one tree pass, as the decoding loop runs them (column-wise linears included)."""
-    with columnwise_linears(model):
-        spec = inspect_base_model(model)
-        cache = new_cache()
-        valid = attention_mask.bool()
-        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(prompts.shape[1], prompts.shape[1], dtype=torch.bool).tril()
-        forward_block(model, spec, prompts, pos, causal, cache, valid, pos, last_only=True)
-        q_pos = pos[:, -1:] + 1 + tree.depth
-        logits, _ = forward_block(model, spec, node_tokens, q_pos, tree.tree_mask, cache,
-                                  torch.cat([valid, torch.ones_like(node_tokens, dtype=torch.bool)], 1),
-                                  torch.cat([pos, q_pos], 1))
-        return logits, cache
+    model = columnwise_copy(model)
+    spec = inspect_base_model(model)
+    cache = new_cache()
+    valid = attention_mask.bool()
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    causal = torch.ones(prompts.shape[1], prompts.shape[1], dtype=torch.bool).tril()
+    forward_block(model, spec, prompts, pos, causal, cache, valid, pos, last_only=True)
+    q_pos = pos[:, -1:] + 1 + tree.depth
+    logits, _ = forward_block(model, spec, node_tokens, q_pos, tree.tree_mask, cache,
+                              torch.cat([valid, torch.ones_like(node_tokens, dtype=torch.bool)], 1),
+                              torch.cat([pos, q_pos], 1))
+    return logits, cache
 
 
 def make_inputs(tree, seed):
