@@ -42,6 +42,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+# nn.Module's own containers (parameters, buffers, children, hooks): a copy owns these.
+_MODULE_CONTAINERS = frozenset(name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
+
+
 class ColumnwiseLinear(nn.Linear):
     """nn.Linear computing through `linear`. Only the layers of a columnwise_copy take this class."""
 
@@ -53,13 +57,13 @@ def columnwise_copy(module: nn.Module | None) -> nn.Module | None:
     """A copy of `module`'s tree whose plain nn.Linear layers compute through `linear`; the decoding loops run
     the base model, the heads and a draft model through one, made per generate call.
 
-    Each submodule is copied shallowly with its own containers (children, parameter and buffer dicts, hook
-    dicts): tensors, config and hook functions are shared, nothing done to the copy reaches `module`, and
-    `module` computes as before in every thread. Subclasses are left alone (quantised layers; a LoRA wrapper
-    calls its plain base layer, which is converted). Why a copy, not a torch function mode: a mode adds Python
-    work to every op (~7 us; a SmolLM2-135M forward is 2,300 ops), so a 4-node verify took 115 ms under one
-    and 94 ms through the copy. Returns `module` itself unless it holds fp32 weights on CPU, where the
-    column-wise product would not be taken.
+    Each submodule is copied shallowly with its own nn.Module containers (children, parameter and buffer
+    dicts, hook dicts): tensors, config, hook functions and any other attribute are shared, nothing done to the
+    copy's structure reaches `module`, and `module` computes as before in every thread. Subclasses are left
+    alone (quantised layers; a LoRA wrapper calls its plain base layer, which is converted). Why a copy, not a
+    torch function mode: a mode adds Python work to every op (~7 us; a SmolLM2-135M forward is 2,300 ops), so a
+    4-node verify took 115 ms under one and 94 ms through the copy. Returns `module` itself unless it holds
+    fp32 weights on CPU, where the column-wise product would not be taken.
     """
     if module is None or not _on_cpu_in_fp32(module):
         return module
@@ -69,9 +73,8 @@ def columnwise_copy(module: nn.Module | None) -> nn.Module | None:
         if id(original) in copies:  # a module registered twice stays one module
             return copies[id(original)]
         clone = copies[id(original)] = copy.copy(original)
-        for name, value in vars(original).items():
-            if isinstance(value, (dict, set, list)):
-                vars(clone)[name] = type(value)(value)
+        for name in _MODULE_CONTAINERS & vars(original).keys():
+            vars(clone)[name] = copy.copy(vars(original)[name])
         vars(clone)["_modules"] = {name: None if child is None else copy_tree(child)
                                    for name, child in original._modules.items()}
         if type(original) is nn.Linear:
