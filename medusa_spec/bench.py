@@ -94,8 +94,9 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
     record = {"new_tokens": out.stats.new_tokens[0], "seconds": seconds, "steps": out.stats.row_steps[0],
               "stage_seconds": timer.seconds, "timed_steps": timer.steps, "sequence": out.sequences[0].cpu()}
     if out.stats.acceptance_rate is not None:
-        record |= {"acceptance_rate": out.stats.acceptance_rate,
-                   "mean_draft_length": sum(out.stats.draft_lengths) / len(out.stats.draft_lengths)}
+        record["acceptance_rate"] = out.stats.acceptance_rate
+    if out.stats.draft_lengths:  # a draft model's K, or the lookup chain's length
+        record["mean_draft_length"] = sum(out.stats.draft_lengths) / len(out.stats.draft_lengths)
     return record
 
 
@@ -158,8 +159,8 @@ def summarize(records: list[dict]) -> dict:
                        "speedup": round(rate[method] / rate[REFERENCE], 3) if REFERENCE in rate else None}
             if method in GREEDY and REFERENCE in rate:
                 figures["equal_to_reference"] = round(sum(r["equal_to_reference"] for r in rs) / len(rs), 3)
-            if "acceptance_rate" in rs[0]:
-                for name in ("acceptance_rate", "mean_draft_length"):
+            for name in ("acceptance_rate", "mean_draft_length"):
+                if all(name in r for r in rs):
                     figures[name] = round(sum(r[name] for r in rs) / len(rs), 3)
             if "stage_seconds" in rs[0]:
                 figures |= step_stages(rs)

@@ -141,6 +141,8 @@ def _stats_line(stats) -> str:
     extra = ""
     if stats.lookup_accepted is not None:
         extra = f", {stats.lookup_accepted} from lookup"
+        if stats.draft_lengths:
+            extra += f", mean chain {sum(stats.draft_lengths) / len(stats.draft_lengths):.1f}"
     if stats.acceptance_rate is not None:
         extra = (f", draft acceptance {stats.acceptance_rate:.2f}, mean K "
                  f"{sum(stats.draft_lengths) / len(stats.draft_lengths):.1f}")

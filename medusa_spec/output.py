@@ -19,10 +19,11 @@ class GenerationStats:
     # Lookup (generate with lookup_tokens): candidate tokens accepted from the lookup chain (bonus not counted).
     lookup_accepted: int | None = None
     # Draft model (generate_with_draft): per-token acceptance estimate alpha, mean seconds of one draft forward
-    # (c_q) and of one verify pass (c_p), and the number of draft tokens K of every step.
+    # (c_q) and of one verify pass (c_p).
     acceptance_rate: float | None = None
     draft_seconds: float | None = None
     verify_seconds: float | None = None
+    # Draft model: the number of draft tokens K of every step; lookup: the chain's length in every step with one.
     draft_lengths: list[int] | None = None
 
     @property

@@ -13,7 +13,18 @@ from medusa_spec import generate_with_draft, generate_with_lookup, self_draft
 from medusa_spec.accept import processed_probs
 from medusa_spec.cli import main
 from medusa_spec.draft import choose_draft_length, expected_tokens
-from medusa_spec.lookup import UNREACHABLE, NgramIndex, PromptLookup, add_chain, lookup_chain, tree_with_chain
+from medusa_spec.lookup import (
+    UNREACHABLE,
+    NgramIndex,
+    PromptLookup,
+    WithLookup,
+    add_chain,
+    lookup_chain,
+    next_chain_length,
+    tree_with_chain,
+)
+from medusa_spec.output import GenerationStats
+from medusa_spec.propose import HostStep, Prompt, RootOnly, StepResult
 from medusa_spec.tree import build_tree
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
@@ -171,6 +182,31 @@ def test_chains_are_as_long_as_the_longest_match():
     lookup.extend([[5], []])
     chain_tokens, has_match = lookup.chains("cpu")
     assert chain_tokens.tolist() == [[6, 5, 6, 5], [8, 8, 8, 8]] and has_match.tolist() == [True, False]
+
+
+def test_chain_length_adapts_as_assisted_decoding_does():
+    """A step where a row took its whole chain: the next chain 2 longer (at most lookup_tokens); a miss or a part
+    taken: 1 shorter (at least 1); a step without a chain changes nothing."""
+    assert [next_chain_length(4, True, 10), next_chain_length(9, True, 10)] == [6, 10]
+    assert [next_chain_length(4, False, 10), next_chain_length(1, False, 10)] == [3, 1]
+    proposer = WithLookup(RootOnly(), [], 4)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 5]])
+    proposer.start(Prompt(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros(1, 9, 4), torch.tensor([6]), None))
+
+    def step(emitted):  # the row took emitted[:-1] from the chain, then a bonus token
+        candidates = proposer.propose(torch.tensor([6]))
+        taken = torch.tensor([len(emitted) - 1])
+        one = torch.tensor([True])
+        proposer.update(StepResult(candidates, None, taken, taken, None, None, one, one,
+                                   HostStep([len(emitted) - 1], [True], [emitted])))
+        return candidates.node_tokens[0, 1:].tolist()
+
+    assert step([7, 5]) == [7, 8, 9, 10]  # "5 6" seen before: the chain copies what followed; 1 of 4 taken
+    assert step([6, 7, 5, 6]) == [6, 7, 5]  # 3 long now, taken whole
+    stats = GenerationStats()
+    proposer.finish(stats)
+    assert stats.draft_lengths == [4, 3] and stats.lookup_accepted == 4
+    assert proposer.propose(torch.tensor([6])).node_tokens.shape[1] == 1 + 4  # back to 4 (3 + 2, capped)
 
 
 def test_merged_tree_tensors():
