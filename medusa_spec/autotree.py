@@ -45,24 +45,24 @@ def _fastest_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
 
 @torch.inference_mode()
 def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5,
-                       rank_accuracy=None) -> tuple[dict[int, float], dict[int, float]]:
+                       rank_accuracy=None, batch: int = 1) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of one step of drafting n nodes,
-    for each n in sizes: as the decoding loop runs them, the heads' proposer taking a step's result (with a
-    context layer, its step over the slots the step kept) and proposing, then one verify pass through Slots,
-    whose slots are dropped again. The trees timed are those choose_tree weighs, grown from `rank_accuracy`
-    (default: equal accuracies): a dependent head's drafting cost is one call per tree depth, so a tree of the
-    same size but another shape costs another time (over a full 49k vocabulary, a one-level 4-node tree
-    drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
+    for each n in sizes, `batch` rows at once (a batch verifies batch x n rows): as the decoding loop runs them,
+    the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept) and
+    proposing, then one verify pass through Slots, whose slots are dropped again. The trees timed are those
+    choose_tree weighs, grown from `rank_accuracy` (default: equal accuracies): a dependent head's drafting cost
+    is one call per tree depth, so a tree of the same size but another shape costs another time (over a full 49k
+    vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
     base, spec = columnwise_copy(mm.base_model), mm.spec  # as the decoding loop runs it (see columnwise)
     device = base.get_output_embeddings().weight.device
-    ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
+    ids = torch.randint(0, spec.vocab_size, (batch, context), device=device)
     valid = torch.ones_like(ids, dtype=torch.bool)
     layers = getattr(mm.heads, "feature_layers", ())
     _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)
     root = ids[:, -1]  # any token: only the costs count
     prompt = Prompt(ids, valid, hidden, root, None)
-    keep_nothing = torch.zeros(1, 0, dtype=torch.long, device=device)
-    no_rows = torch.zeros(1, dtype=torch.long, device=device)
+    keep_nothing = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    no_rows = torch.zeros(batch, dtype=torch.long, device=device)
 
     def verify(candidates: Candidates) -> torch.Tensor:
         """As the decoding loop verifies, then commits nothing: the cache stays at `context`."""
@@ -94,15 +94,15 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
 
 
 def deepest_step(candidates: Candidates, hidden: torch.Tensor, bonus: torch.Tensor) -> StepResult:
-    """A step of one row that accepted the tree's deepest path, the most slots a context layer's step takes;
-    hidden [1, N, H] from the verify pass, bonus [1]."""
+    """A step in which every row accepted the tree's deepest path, the most slots a context layer's step takes;
+    hidden [B, N, H] from the verify pass, bonus [B]."""
     tree = candidates.tree
-    last_node = tree.depth.argmax()[None]
+    last_node = tree.depth.argmax().expand(bonus.shape[0])
     accept_length = tree.depth[last_node]
-    path = tree.node_paths[last_node]  # [1, D+1]: the root and every node of the path
+    path = tree.node_paths[last_node]  # [B, D+1]: the root and every node of the path
     new_tokens = torch.cat([candidates.node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
-    row = torch.ones(1, dtype=torch.bool, device=bonus.device)
-    host = HostStep([int(accept_length)], [True], [new_tokens[0].tolist()])
+    row = torch.ones_like(bonus, dtype=torch.bool)
+    host = HostStep(accept_length.tolist(), row.tolist(), new_tokens.tolist())
     return StepResult(candidates, hidden, last_node, accept_length, path, new_tokens, row, row, host)
 
 

@@ -42,7 +42,7 @@ class MedusaModel(nn.Module):
         self.heads = heads
         # tree=None's measured rank paths per (device, dtype) of the base model: costs differ by orders of magnitude
         # between them, and moving the model after a first generate() must not keep a tree timed elsewhere.
-        self._measured_trees: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
+        self._measured_trees: dict[tuple[torch.device, torch.dtype, int], list[list[int]]] = {}
 
     @property
     def spec(self) -> BaseSpec:
@@ -109,26 +109,27 @@ class MedusaModel(nn.Module):
                              "(get_peft_model(base_model, ...) before MedusaModel.from_base)")
         io.save_adapter(path, self.config, self.heads.state_dict(), lora=lora)
 
-    def tree(self, tree: list[list[int]] | None = None) -> MedusaTree:
-        """The MedusaTree generate() uses: `tree`'s rank paths, or for None those of default_choices()."""
-        return build_tree(self.default_choices() if tree is None else tree, self.config.num_heads)
+    def tree(self, tree: list[list[int]] | None = None, batch: int = 1) -> MedusaTree:
+        """The MedusaTree generate() uses: `tree`'s rank paths, or for None those of default_choices(batch)."""
+        return build_tree(self.default_choices(batch) if tree is None else tree, self.config.num_heads)
 
-    def default_choices(self) -> list[list[int]]:
-        """The rank paths `tree=None` stands for. With rank accuracies in the adapter's metrics
-        (metrics.eval.rank_accuracy): auto_tree()'s choice, measured at the first call (about
-        2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and dtype,
-        so a second call reuses it; without them, the adapter's stored tree, else default_tree(num_heads)."""
+    def default_choices(self, batch: int = 1) -> list[list[int]]:
+        """The rank paths `tree=None` stands for, for a batch of `batch` rows. With rank accuracies in the adapter's
+        metrics (metrics.eval.rank_accuracy): auto_tree(batch=batch)'s choice, measured at the first call (about
+        2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and dtype and
+        the batch size, so a second call reuses it (a batch verifies batch x nodes rows: on CPU it can afford fewer
+        nodes); without them, the adapter's stored tree, else default_tree(num_heads)."""
         if not self._rank_accuracy():
             return self.config.tree or default_tree(self.config.num_heads)
         device, dtype = model_device_dtype(self.base_model)
-        if (device, dtype) not in self._measured_trees:
+        if (device, dtype, batch) not in self._measured_trees:
             # The timing passes draw random tokens: a forked generator leaves the caller's seeded draws as they were.
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self._measured_trees[device, dtype] = self.auto_tree()[0]
-        return self._measured_trees[device, dtype]
+                self._measured_trees[device, dtype, batch] = self.auto_tree(batch=batch)[0]
+        return self._measured_trees[device, dtype, batch]
 
     def auto_tree(self, context: int = AUTO_CONTEXT, sizes: Sequence[int] = AUTO_SIZES,
-                  repeats: int = AUTO_REPEATS) -> tuple[list[list[int]], list[dict]]:
+                  repeats: int = AUTO_REPEATS, batch: int = 1) -> tuple[list[list[int]], list[dict]]:
         """The tree with the most expected tokens per second on this machine: verify-pass and drafting latency
         measured for trees of `sizes` nodes (the fastest of `repeats` runs), value from the rank accuracies
         measured in training (metrics.eval.rank_accuracy). Returns (rank paths, the table of candidates).
@@ -139,7 +140,7 @@ class MedusaModel(nn.Module):
             raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
                              "with an eval split or run `medusa-spec tree --model ... --data ...` first")
         latency, draft_seconds = autotree.measure_step_costs(self, sizes=sizes, context=context, repeats=repeats,
-                                                             rank_accuracy=rank_accuracy)
+                                                             rank_accuracy=rank_accuracy, batch=batch)
         return autotree.choose_tree(rank_accuracy, latency, draft_seconds)
 
     def _rank_accuracy(self) -> list[list[float]] | None:
@@ -169,8 +170,9 @@ class MedusaModel(nn.Module):
         sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p)
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
         spec = self.spec
-        proposer = with_lookup(heads_proposer(self.base_model, self.heads, self.tree(tree)), lookup_tokens, documents,
-                               spec.vocab_size)
+        batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
+        proposer = with_lookup(heads_proposer(self.base_model, self.heads, self.tree(tree, batch)), lookup_tokens,
+                               documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
                       streamer, timer)
 

@@ -83,6 +83,29 @@ def test_a_model_moved_to_another_dtype_measures_again(measured):
     assert mm.default_choices() == first and measured["measure"] == 2  # kept per device and dtype
 
 
+def test_a_batch_measures_its_own_rows_and_keeps_its_own_choice(monkeypatch, measured):
+    """A batch of B verifies B x nodes rows: its tree is measured with B rows (on a CPU a batch can afford fewer
+    nodes), once per batch size."""
+    sizes = []
+    measure = autotree.measure_step_costs
+
+    def by_batch(*args, batch=1, **kwargs):
+        sizes.append(batch)
+        latency, draft = measure(*args, batch=batch, **kwargs)  # the real passes, with B rows
+        if batch == 1:  # then costs that favour the largest tree for one row, the root alone for more
+            return dict.fromkeys(latency, 0.01), dict.fromkeys(latency, 0.0)
+        return {n: 0.01 * n for n in latency}, dict.fromkeys(latency, 0.0)
+
+    monkeypatch.setattr(autotree, "measure_step_costs", by_batch)
+    mm = with_accuracies()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    for rows in (ids[:1], ids, ids, ids[1:]):
+        mm.generate(rows, max_new_tokens=4, eos_token_id=[])
+    assert sizes == [1, 2]
+    assert measured["drafted"] == [paths(mm.default_choices(1))] + [[]] * 2 + [paths(mm.default_choices(1))]
+    assert len(mm.default_choices(1)) > 1 and mm.default_choices(2) == []
+
+
 def test_without_accuracies_the_stored_tree_and_no_measurement(measured):
     mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, tree=STORED))
     mm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4)
