@@ -160,10 +160,11 @@ class MedusaModel(nn.Module):
         and top_p=1.0 turn those filters off. eos_token_id / pad_token_id default to the generation_config (pass
         eos_token_id=[] to never stop early). `tree`: rank paths; None (default) picks one, see default_choices:
         with the adapter's rank accuracies, the tree with the most expected tokens per second for step costs
-        measured at the first call on this machine (a few seconds; then kept on this MedusaModel), else the
-        adapter's stored tree; `[]` turns speculation off (one token per step, same loop). `lookup_tokens` > 0
-        also verifies a chain of that many candidates copied from an earlier occurrence of the text's last
-        n-gram in the prompt, the output or `documents` (lists of token ids), in the same pass. `timer`: a
+        measured at the first call on this machine, for this batch size (a few seconds; then kept on this
+        MedusaModel), else the adapter's stored tree; `[]` turns speculation off (one token per step, same loop).
+        `lookup_tokens` > 0 also verifies a chain of up to that many candidates (its length adapts each step)
+        copied from an earlier occurrence of the text's last n-gram in the prompt, the output or `documents`
+        (lists of token ids), in the same pass. `timer`: a
         loop.StepTimer that adds up each decoding stage's time. The heads run in eval mode and are left in
         the mode they were in.
         """
