@@ -70,7 +70,8 @@ def columnwise_copy(module: nn.Module | None) -> nn.Module | None:
     def copy_tree(original: nn.Module) -> nn.Module:
         if id(original) in copies:  # a module registered twice stays one module
             return copies[id(original)]
-        # A shallow copy by hand (copy.copy takes the __reduce_ex__ route: 3x slower over 400 modules).
+        # A shallow copy by hand: copy.copy takes the __reduce_ex__ route (58 instead of 34 ms for SmolLM2's 400
+        # modules, timed beside another job).
         clone = copies[id(original)] = object.__new__(type(original))
         vars(clone).update(vars(original))
         for name in _MODULE_CONTAINERS & vars(original).keys():
