@@ -108,3 +108,29 @@ def test_generate_runs_tree_and_heads_columnwise(head_type, monkeypatch):
     assert weights <= {weight for weight, _ in products}
     assert 8 in {columns for _, columns in products}  # tree passes of 4 nodes, two rows (the prefill: 16)
 
+
+
+def test_copy_attends_to_grouped_keys_in_place_and_leaves_the_config_alone(monkeypatch):
+    """A masked multi-row query (a tree's verify pass) attends to the key/value heads without transformers'
+    repeat_kv copy, with the same result; the module's own config still names sdpa."""
+    from transformers.integrations import sdpa_attention
+
+    model = tiny_model("llama")  # 4 query heads over 2 key/value heads
+    config_before = dict(vars(model.config))
+    ids = torch.randint(3, VOCAB, (1, 9))
+    mask = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
+    mask[..., 6:, 6:] = torch.eye(3, dtype=torch.bool)  # three siblings after a 6-token prefix, as in a tree
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        repeats = []
+        original = sdpa_attention.repeat_kv
+        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(1) or original(*a))
+        copy = columnwise_copy(model)
+        got = copy(ids, attention_mask=mask).logits
+        assert not repeats
+        model(ids, attention_mask=mask)
+        assert repeats  # the module itself still takes transformers' path
+    torch.testing.assert_close(got, expected)
+    assert dict(vars(model.config)) == config_before and model.config._attn_implementation == "sdpa"
+    layers = [m for m in copy.modules() if hasattr(m, "num_key_value_groups")]
+    assert len({id(m.config) for m in layers}) == 1 and layers[0].config is not model.config
