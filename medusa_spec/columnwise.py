@@ -28,22 +28,23 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 # Beyond this many rows (long prompts) nn.Linear's own kernel is as fast.
 MAX_ROWS = 64
-# This machine's BLAS (MKL) takes the column-wise product markedly slower at 10-15 columns than at 16:
-# all of SmolLM2-135M's decoder weights took 94-137 ms for 10-15 rows, 69-91 ms padded to 16 (and 86 ms
-# for 16 rows). A tree plus a lookup chain is often 11-15 rows, so those blocks get zero rows up to 16.
-PADDED_ROWS, PAD_TO = range(10, 16), 16
+# MKL takes the column-wise product slower at some column counts than at the next larger one, so those blocks
+# get zero rows up to it. All of SmolLM2-135M's decoder weights, on an AVX-512 EPYC: 94-137 ms for 10-15 rows,
+# 69-91 ms for 16; on an AVX2 EPYC (medians of 9, cold cache): 3 rows 42 ms, 4 rows 32; 7 rows 62, 8 rows 53;
+# 13-15 rows 113-141, 16 rows 79. A tree plus a lookup chain of adaptive length takes any of these sizes.
+PAD_TO = {3: 4, 7: 8, **dict.fromkeys(range(10, 16), 16)}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """nn.functional.linear(x, weight, bias); column-wise for 2-64 rows of fp32 on CPU (10-15 rows padded
-    to 16). (bf16 kernels round differently enough to flip near-tied greedy tokens against one-row
+    """nn.functional.linear(x, weight, bias); column-wise for 2-64 rows of fp32 on CPU (some counts padded:
+    PAD_TO). (bf16 kernels round differently enough to flip near-tied greedy tokens against one-row
     decoding: not switched.)"""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (2 <= rows <= MAX_ROWS and weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32):
         return nn.functional.linear(x, weight, bias)
     columns = x.reshape(rows, x.shape[-1])
-    if rows in PADDED_ROWS:
-        columns = torch.cat([columns, columns.new_zeros(PAD_TO - rows, columns.shape[1])])
+    if rows in PAD_TO:
+        columns = torch.cat([columns, columns.new_zeros(PAD_TO[rows] - rows, columns.shape[1])])
     # Back to nn.Linear's row-major layout: on the transposed view later ops ran slower, and sdpa left its
     # flash kernel for the math one (a 4-node verify of SmolLM2-135M took 131 ms instead of 110).
     y = torch.mm(weight, columns.t())[:, :rows].t().contiguous()
