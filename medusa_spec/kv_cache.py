@@ -13,16 +13,57 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+# Slots an AppendLayer allocates beyond what it holds, at least: a reallocation copies the past once.
+RESERVE = 256
+
+
+class AppendLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are a prefix of a longer buffer: an update writes the new slots into
+    the room after them. DynamicLayer concatenates the whole past into a new tensor at every update, in each layer,
+    twice; a verify pass of SmolLM2-135M after 1,200 tokens took 117 instead of 123 ms (in one process, alternating).
+    Whenever the keys are not that prefix any more (a row dropped, the batch repeated), the next update copies them
+    into a new buffer."""
+
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
+        if not self._room_for(length + new, key_states):
+            shape = (*key_states.shape[:-2], length + new + max(RESERVE, length // 2), key_states.shape[-1])
+            self.buffers = (key_states.new_empty(shape), value_states.new_empty(shape))
+            for buffer, states in zip(self.buffers, (self.keys, self.values)):
+                if length:
+                    buffer[..., :length, :] = states
+        for buffer, states in zip(self.buffers, (key_states, value_states)):
+            buffer[..., length:length + new, :] = states
+        self.keys, self.values = (buffer[..., :length + new, :] for buffer in self.buffers)
+        return self.keys, self.values
+
+    def _room_for(self, length: int, key_states: torch.Tensor) -> bool:
+        if self.buffers is None or length > self.buffers[0].shape[-2]:
+            return False
+        return all(states.data_ptr() == buffer.data_ptr() and states.stride() == buffer.stride()
+                   and states.shape[:-2] == key_states.shape[:-2] == buffer.shape[:-2] and states.dtype == buffer.dtype
+                   for states, buffer in zip((self.keys, self.values), self.buffers))
+
 
 def new_cache() -> DynamicCache:
-    return DynamicCache()
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = AppendLayer  # the layers are made at the first update of each
+    return cache
 
 
 def fork_cache(cache: DynamicCache) -> DynamicCache:
     """A cache holding the same slots as `cache`, whose changes leave `cache` as it is: both share the key/value
-    tensors, which keep_accepted only writes past the slots it keeps and an update replaces by a longer one."""
+    tensors, which keep_accepted only writes past the slots it keeps and the fork's plain DynamicLayers replace by
+    longer ones at an update (an AppendLayer would write into the buffer `cache` appends to)."""
     fork = DynamicCache()
     fork.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in fork.layers:
+        if isinstance(layer, AppendLayer):
+            layer.__class__ = DynamicLayer
     return fork
 
 
@@ -31,7 +72,8 @@ def check_cache(cache: DynamicCache, expected_length: int) -> None:
     swapped in its own cache type): compaction could not keep the accepted path in them."""
     for i, layer in enumerate(cache.layers):
         keys = getattr(layer, "keys", None)
-        if type(layer) is not DynamicLayer or not torch.is_tensor(keys) or keys.shape[-2] != expected_length:
+        plain = type(layer) in (DynamicLayer, AppendLayer)
+        if not plain or not torch.is_tensor(keys) or keys.shape[-2] != expected_length:
             raise ValueError(
                 f"cache layer {i} is a {type(layer).__name__} holding {None if keys is None else tuple(keys.shape)}; "
                 f"medusa_spec needs every layer to keep all {expected_length} slots as a DynamicLayer")
