@@ -24,8 +24,8 @@ from medusa_spec.lookup import (
     tree_with_chain,
 )
 from medusa_spec.output import GenerationStats
-from medusa_spec.propose import HostStep, Prompt, RootOnly, StepResult
-from medusa_spec.tree import build_tree
+from medusa_spec.propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult
+from medusa_spec.tree import build_tree, chain_tree
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
 from test_sampling import SETTINGS, chi_square_p_value, exact_joint, triple_counts
@@ -184,6 +184,30 @@ def test_chains_are_as_long_as_the_longest_match():
     assert chain_tokens.tolist() == [[6, 5, 6, 5], [8, 8, 8, 8]] and has_match.tolist() == [True, False]
 
 
+def test_beside_a_tree_a_chain_needs_a_two_token_match():
+    """A 1-token match guesses the next token about as often as the heads do and costs rows: only lookup alone
+    (the root-only tree) copies after one."""
+    assert lookup_chain(NgramIndex([5, 6, 7, 8, 9, 6]), [], 4) == [7, 8, 9, 6]
+    assert lookup_chain(NgramIndex([5, 6, 7, 8, 9, 6]), [], 4, min_ngram=2) == []
+    assert lookup_chain(NgramIndex([5, 6, 7, 8, 5, 6]), [], 4, min_ngram=2) == [7, 8, 5, 6]
+
+    class Heads(Proposer):  # any proposer with a tree of its own, as the heads
+        def start(self, prompt):
+            self.tree = chain_tree(0)
+
+        def propose(self, root):
+            return Candidates(root[:, None], self.tree)
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    prompt = Prompt(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros(1, 5, 4), torch.tensor([6]), None)
+    lengths = {}
+    for name, inner in (("lookup alone", RootOnly()), ("beside heads", Heads())):
+        proposer = WithLookup(inner, [], 4)
+        proposer.start(prompt)
+        lengths[name] = proposer.propose(torch.tensor([6])).tree.num_nodes - 1
+    assert lengths == {"lookup alone": 4, "beside heads": 0}
+
+
 def test_chain_length_adapts_as_assisted_decoding_does():
     """A step where a row took its whole chain: the next chain 2 longer (at most lookup_tokens); a miss or a part
     taken: 1 shorter (at least 1); a step without a chain changes nothing."""
@@ -292,8 +316,12 @@ def test_medusa_and_lookup_proposing_the_same_tokens():
     assert out.stats.lookup_accepted > 40 and out.stats.tokens_per_step > 4
 
 
-def sample_lookup_triples(sampling):
+def sample_lookup_triples(sampling, monkeypatch):
     from medusa_spec import MedusaConfig, MedusaModel
+
+    # Chains after 1-token matches too: with 3 new tokens after a 4-token prompt, 2-token matches are rare, and
+    # what is tested here is the merge of a chain into the heads' tree, whatever match made the chain.
+    monkeypatch.setattr(medusa_spec.lookup, "MIN_NGRAM_WITH_TREE", 1)
 
     model = tiny_model("llama", vocab_size=SMALL_VOCAB)
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))  # zero-init heads guess plausible tokens
@@ -306,8 +334,8 @@ def sample_lookup_triples(sampling):
 
 
 @pytest.mark.parametrize("sampling", SETTINGS[:3], ids=str)
-def test_medusa_plus_lookup_sampling_matches_base_distribution(sampling):
-    counts, probs, stats = sample_lookup_triples(sampling)
+def test_medusa_plus_lookup_sampling_matches_base_distribution(sampling, monkeypatch):
+    counts, probs, stats = sample_lookup_triples(sampling, monkeypatch)
     assert stats.lookup_accepted > ROWS // 20
     assert chi_square_p_value(counts, probs) > 1e-3
 
@@ -325,7 +353,7 @@ def test_chi_square_rejects_equal_siblings_left_both_reachable(monkeypatch):
     monkeypatch.setattr(medusa_spec.lookup, "add_chain", add_chain_without_tie_break)
     monkeypatch.setattr(medusa_spec.accept, "repeats_a_sibling",
                         lambda node_tokens, tree: torch.zeros_like(node_tokens, dtype=torch.bool))
-    counts, probs, _ = sample_lookup_triples(SETTINGS[0])
+    counts, probs, _ = sample_lookup_triples(SETTINGS[0], monkeypatch)
     assert chi_square_p_value(counts, probs) < 1e-6
 
 
