@@ -144,6 +144,10 @@ FLAGS = {
                        "next prompt at once; train: per micro-batch and process; tree: per measuring batch)",
                        type=int),
     "eval_ranks": Flag("ranks measured per head when evaluating (the tree builder's candidates)", type=int),
+    "keep_loops": Flag("keep the loops answers end in (a run of 32 tokens each closing an 8-token sequence the answer "
+                       "wrote before): distill lets such an answer run on instead of stopping it where the loop began; "
+                       "train keeps loops in the loss and the held-out accuracy instead of leaving them out",
+                       type=bool),
 }
 
 

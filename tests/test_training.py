@@ -308,6 +308,20 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     assert marked == ["w4", "w5", "<|end|>", "w10", "<|end|>"]
 
 
+def test_a_loop_is_cut_from_the_last_answer_and_left_out_of_the_loss_before_another_turn():
+    tokenizer = make_tokenizer()
+    loop = {"role": "assistant", "content": counting(0, 80)}  # the counting words are cyclic: a loop of period 24
+    messages = [ask(0), loop, ask(9), loop]
+    example = tokenize_conversation(tokenizer, messages)
+    tokens = tokenizer.convert_ids_to_tokens(example.input_ids)
+    once = counting(0, 24).split()
+    assert [t for t, m in zip(tokens, example.loss_mask) if m] == once + once  # each answer up to its loop
+    assert tokens[-24:] == once  # the last answer ends there; the first stays whole, as the next turn read it
+    assert len(tokens) == len(tokenize_conversation(tokenizer, messages[:2], keep_loops=True).input_ids) + 6 + 24
+    kept = tokenize_conversation(tokenizer, messages, keep_loops=True)
+    assert sum(kept.loss_mask) == 2 * (80 + 1)
+
+
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -41,6 +41,7 @@ class TrainConfig:
                                "the base did not write)", choices=("tokens", "teacher"))
     max_length: int = shared(1024)
     pack: bool = option(True, "pack several conversations per row (else one per row, padded)")
+    keep_loops: bool = shared(False)
     batch_size: int = shared(8)
     grad_accum: int = option(1, "micro-batches per optimizer step")
     epochs: float = option(1.0, "passes over the training rows (unless --max-steps)")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .repetition import loop_start
 from .store import read_records
 
 # Used only when asked for (--plain-text): a model without a chat template is then trained,
@@ -193,9 +194,11 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
+def tokenize_conversation(tokenizer, messages: list[dict], keep_loops: bool = False) -> Example:
     """Tokens of the rendered conversation; loss_mask marks each assistant turn (its end-of-turn
-    marker included, so the heads also learn where an answer stops).
+    marker included, so the heads also learn where an answer stops). An answer that ends in a loop
+    (repetition.loop_start) has the loop left out of the loss, and cut off when it is the last turn, unless
+    keep_loops.
 
     Assistant spans are found in characters by rendering growing prefixes, then mapped to tokens
     through offsets: robust to tokens merging across a boundary, and needs no `{% generation %}`
@@ -214,8 +217,20 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
                              "template")
         spans.append((len(before), len(through)))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    loss_mask = [any(start <= begin < end for start, end in spans) for begin, _ in encoding["offset_mapping"]]
-    return Example(encoding["input_ids"], loss_mask)
+    input_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    loss_mask = [any(start <= begin < end for start, end in spans) for begin, _ in offsets]
+    if keep_loops:
+        return Example(input_ids, loss_mask)
+    for n, (start, end) in enumerate(spans):
+        answer = [i for i, (begin, _) in enumerate(offsets) if start <= begin < end]
+        loop = loop_start([input_ids[i] for i in answer])
+        if loop is None:
+            continue
+        if n == len(spans) - 1:  # the last answer: what follows the loop is only more of it
+            return Example(input_ids[:answer[loop]], loss_mask[:answer[loop]])
+        for i in answer[loop:]:  # later turns read the whole answer: it stays, out of the loss
+            loss_mask[i] = False
+    return Example(input_ids, loss_mask)
 
 
 # ---------------------------------------------------------------- rows and batches

@@ -56,6 +56,7 @@ class DistillConfig:
                                     "answered again")
     prompt_temperature: float = option(1.0, "sampling temperature of model-written prompts and follow-ups, drawn "
                                             "from the whole distribution (--top-k and --top-p are the answers')")
+    keep_loops: bool = shared(False)
     chunk_size: int = option(2000, "conversations per gzipped chunk of an output folder")
     # None: bf16 where the device computes it natively (flags.fast_dtype): 1.5x the answer tokens/s of fp32 on an
     # AVX512-BF16 CPU (scripts/bench_distill.py) and the usual GPU dtype, while a CPU without it emulates bf16 far
@@ -221,7 +222,8 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
     pending = []
     for key, tokens in decode_stream(base_model, requests, eos, rows=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
                                      capacity=cfg.max_prompt_tokens + cfg.max_new_tokens,
-                                     pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed):
+                                     pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed,
+                                     stop_loops=not cfg.keep_loops):
         text = _decode(tokenizer, tokens, eos)
         if isinstance(key, tuple):  # a model-written follow-up question: ask it if it is usable
             pid = key[0]

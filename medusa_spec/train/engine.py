@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..accept import Sampling, kept_scores
 from ..base import inspect_base_model
 from ..verify import layer_masks
+from .repetition import LoopWatch
 
 GREEDY = Sampling()
 
@@ -103,12 +104,13 @@ def _pick(logits: torch.Tensor, samplings: list[Sampling], generator) -> torch.T
 
 def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *, rows: int = 64,
                   max_new_tokens: int = 512, capacity: int | None = None, pad_token_id: int = 0,
-                  seed: int = 0) -> Iterator[tuple[object, list[int]]]:
+                  seed: int = 0, stop_loops: bool = False) -> Iterator[tuple[object, list[int]]]:
     """Answer `requests` (a deque of Request, which the caller may extend while iterating, e.g. with
     a conversation's next turn) and yield (key, new tokens through the first eos) as each row ends.
 
     A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default
-    the longest request + max_new_tokens). Each row draws as its request's `sampling` says.
+    the longest request + max_new_tokens); with stop_loops, also once it loops (repetition.LoopWatch), its tokens
+    then cut where the loop began. Each row draws as its request's `sampling` says.
     """
     spec = inspect_base_model(model)  # read per call: the caller may switch attention implementations
     device = model.get_input_embeddings().weight.device
@@ -123,6 +125,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     active = [None] * rows  # per row: (key, new tokens) or None when free
     sampling = [GREEDY] * rows
     limit = [max_new_tokens] * rows
+    watch: list[LoopWatch | None] = [None] * rows
     columns = torch.arange(capacity, device=device)
 
     def fill(row: int) -> bool:
@@ -144,6 +147,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             first = _pick(out.logits[:, -1], [request.sampling], generator)
             length[row], last[row] = n, first[0]
             active[row] = (request.key, [int(first[0])])
+            watch[row] = LoopWatch() if stop_loops else None
+            if watch[row] is not None:
+                watch[row].push(int(first[0]))
             return True
         return False
 
@@ -187,7 +193,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 if a is None:
                     continue
                 a[1].append(picked[row])
-                if done[row] or len(a[1]) >= limit[row]:
+                looping = watch[row] is not None and watch[row].push(picked[row])
+                if done[row] or len(a[1]) >= limit[row] or looping:
                     active[row] = None
-                    yield a
+                    yield (a[0], a[1][:watch[row].start]) if looping else a
                     fill(row)

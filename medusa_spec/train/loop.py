@@ -215,7 +215,7 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
     if cfg.eval_examples >= len(conversations):
         raise ValueError(f"--eval-examples {cfg.eval_examples} leaves nothing to train on: the data holds "
                          f"{len(conversations)} conversations; lower --eval-examples or distill more")
-    examples = [tokenize_conversation(tokenizer, messages) for messages in conversations]
+    examples = [tokenize_conversation(tokenizer, messages, cfg.keep_loops) for messages in conversations]
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     held_out = [examples[i] for i in order[: cfg.eval_examples]]
     return (make_rows([examples[i] for i in order[cfg.eval_examples:]], cfg.max_length, cfg.pack),
