@@ -132,3 +132,13 @@ def test_a_single_file_output_stays_one_jsonl(tmp_path):
     file = tmp_path / "out.jsonl"
     ConversationStore(file, chunk_size=2).append([record(i) for i in range(5)])
     assert [json.loads(line)["id"] for line in file.read_text().splitlines()] == [f"p{i}" for i in range(5)]
+
+
+def test_store_reads_back_text_with_unicode_line_separators(tmp_path):
+    """JSON keeps U+2028, U+2029 and U+0085 raw inside strings; str.splitlines would cut a record there."""
+    folder = tmp_path / "data"
+    records = [{"id": "p0", "messages": [{"role": "user", "content": "a\u2028b\u2029c\x85d\x1ce"}]}, record(1)]
+    ConversationStore(folder, chunk_size=4).append(records)
+    assert read_records(folder) == records
+    ConversationStore(folder, chunk_size=4).append([record(i) for i in range(2, 5)])  # sealed into a part
+    assert read_records(folder)[:2] == records and len(read_records(folder)) == 5

@@ -447,6 +447,19 @@ def test_model_written_prompts_and_follow_ups_are_answered(base_dir, tmp_path):
             assert reply == counting(int(start), len(reply.split())), record
 
 
+def test_a_self_prompt_with_a_unicode_line_separator_is_read_back(base_dir, tmp_path):
+    """JSON keeps U+2028 raw: the prompts already written are read line by line at "\n" only, so a rerun resumes."""
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / SELF_PROMPTS).write_text(json.dumps({"prompt": "count from w1\u2028now"}, ensure_ascii=False) + "\n",
+                                       encoding="utf-8")
+    cfg = distill_settings(base_dir, folder, batch_size=2, max_new_tokens=4, self_prompts=1, max_prompt_tokens=400)
+    stats = distill(base_model, tokenizer, [], cfg, progress=False)
+    assert stats["written"] == 1
+    assert read_records(folder)[0]["messages"][0]["content"] == "count from w1\u2028now"
+
+
 # ---------------------------------------------------------------- training
 
 

@@ -136,7 +136,8 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
         raise ValueError("--self-prompts needs a folder --output (where self_prompts.jsonl is kept)")
     path = Path(cfg.output) / SELF_PROMPTS
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = [json.loads(line)["prompt"] for line in path.read_text().splitlines()] if path.is_file() else []
+    lines = path.read_text(encoding="utf-8").split("\n") if path.is_file() else []  # not splitlines: see store.py
+    written = [json.loads(line)["prompt"] for line in lines if line.strip()]
     seen = {_normal(t) for p in known for t in p.turns} | {_normal(t) for t in written}
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     opening = _ids(tokenizer, user_turn_opening(tokenizer, system))

@@ -34,7 +34,8 @@ def _complete_lines(file: Path) -> bytes:
 
 def _records(data: bytes, source: Path) -> list[dict]:
     records = []
-    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    # Split at "\n" only: str.splitlines also splits at characters JSON keeps raw inside strings (U+2028, U+0085).
+    for number, line in enumerate(data.decode("utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         try:
