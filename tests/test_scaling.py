@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from medusa_spec.train import loop
-from medusa_spec.train.loop import train
+from medusa_spec.train.data import read_conversations
+from medusa_spec.train.load import load_model_and_tokenizer
+from medusa_spec.train.loop import build_rows, train
 from test_training import base_dir, conversations, small_run  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -53,3 +55,24 @@ def test_scaling_script_draws_the_plot_and_names_a_log_without_points(base_dir, 
     (tmp_path / "empty" / "train_log.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     with pytest.raises(SystemExit, match="train with --eval-every"):
         scaling.main([str(tmp_path / "empty")])
+
+
+def test_max_conversations_trains_on_nested_samples_with_the_same_held_out_set(base_dir, conversations):  # noqa: F811
+    _, tokenizer = load_model_and_tokenizer(base_dir)
+    messages = read_conversations(conversations)  # 24: distill keeps one of each repeated prompt
+
+    def rows(**overrides):
+        cfg = small_run(base_dir, conversations, "unused", pack=False, max_length=512, keep_loops=True,
+                        **overrides)  # a row per conversation; counting words is all loops
+        train_rows, eval_rows = build_rows(tokenizer, messages, cfg)
+        return [tuple(row[0].input_ids) for row in train_rows], [tuple(row[0].input_ids) for row in eval_rows]
+
+    everything, held_out = rows()
+    small, small_held_out = rows(max_conversations=5)
+    larger, larger_held_out = rows(max_conversations=12)
+    assert (len(messages), len(everything), len(small), len(larger)) == (24, 16, 5, 12)
+    assert small_held_out == larger_held_out == held_out and not set(larger) & set(held_out)
+    assert larger[:5] == small and set(larger) <= set(everything)
+    assert rows(max_conversations=1000)[0] == everything
+    with pytest.raises(ValueError, match="--max-conversations 0: give at least 1"):
+        rows(max_conversations=0)

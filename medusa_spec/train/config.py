@@ -58,6 +58,8 @@ class TrainConfig:
     cache_hidden: bool = option(False, "medusa1: cache the base's hidden states on disk (in --output, hidden_cache/) "
                                 "so the base runs once per row, not once per epoch")
     eval_examples: int = option(64, "conversations held out to measure head accuracy")
+    max_conversations: int | None = option(None, "train on this many of the other conversations (a seeded sample; the "
+                                           "held-out ones stay the same): a point of a data-scaling curve")
     eval_every: int = option(0, "evaluate every N steps (0 = at the end only)")
     eval_ranks: int = shared(10)
     save_every: int = option(500, "checkpoint every N steps (0 = never)")

@@ -215,10 +215,16 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
     if cfg.eval_examples >= len(conversations):
         raise ValueError(f"--eval-examples {cfg.eval_examples} leaves nothing to train on: the data holds "
                          f"{len(conversations)} conversations; lower --eval-examples or distill more")
+    if cfg.max_conversations is not None and cfg.max_conversations < 1:
+        raise ValueError(f"--max-conversations {cfg.max_conversations}: give at least 1, or leave it out to train on "
+                         f"every conversation")
     examples = [tokenize_conversation(tokenizer, messages, cfg.keep_loops) for messages in conversations]
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     held_out = [examples[i] for i in order[: cfg.eval_examples]]
-    return (make_rows([examples[i] for i in order[cfg.eval_examples:]], cfg.max_length, cfg.pack),
+    # The sample is a prefix of the same shuffle: a larger --max-conversations adds conversations to a
+    # smaller one's, so the points of a scaling curve are nested and share their held-out set.
+    train = order[cfg.eval_examples:][: cfg.max_conversations]
+    return (make_rows([examples[i] for i in train], cfg.max_length, cfg.pack),
             make_rows(held_out, cfg.max_length, cfg.pack))
 
 
