@@ -12,7 +12,7 @@ import pytest
 from medusa_spec.train import loop
 from medusa_spec.train.data import read_conversations
 from medusa_spec.train.load import load_model_and_tokenizer
-from medusa_spec.train.loop import build_rows, train
+from medusa_spec.train.loop import build_rows, split_held_out, train
 from test_training import base_dir, conversations, small_run  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -76,3 +76,23 @@ def test_max_conversations_trains_on_nested_samples_with_the_same_held_out_set(b
     assert rows(max_conversations=1000)[0] == everything
     with pytest.raises(ValueError, match="--max-conversations 0: give at least 1"):
         rows(max_conversations=0)
+
+
+def test_no_conversation_trains_that_opens_as_a_held_out_one_does():
+    def turn(role, content):
+        return {"role": role, "content": content}
+
+    chats = []
+    for i in range(30):  # every even prompt asked twice, as a greedy distiller answers it: the same answer
+        chats.append([turn("user", f"q{i}"), turn("assistant", f"a{i}")])
+        if i % 2 == 0:
+            chats.append([turn("user", f"q{i}"), turn("assistant", f"a{i}"), turn("user", "and?"),
+                                  turn("assistant", f"b{i}")])
+    chats.append([turn("system", "terse"), turn("user", "q0"), turn("assistant", "a")])  # another opening
+    train, held_out = split_held_out(chats, 10, seed=0)
+    openings = [loop.opening(chats[i]) for i in held_out]
+    assert len(held_out) == 10 and not {loop.opening(chats[i]) for i in train} & set(openings)
+    shared = sum(loop.opening(c) in openings for c in chats) - len(held_out)
+    assert shared > 0 and len(train) == len(chats) - len(held_out) - shared  # only those left out
+    assert loop.opening(chats[-1]) == (("system", "terse"), ("user", "q0"))
+    assert split_held_out(chats, 10, seed=0, max_conversations=4) == (train[:4], held_out)

@@ -218,14 +218,34 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise ValueError(f"--max-conversations {cfg.max_conversations}: give at least 1, or leave it out to train on "
                          f"every conversation")
-    examples = [tokenize_conversation(tokenizer, messages, cfg.keep_loops) for messages in conversations]
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    held_out = [examples[i] for i in order[: cfg.eval_examples]]
-    # The sample is a prefix of the same shuffle: a larger --max-conversations adds conversations to a
-    # smaller one's, so the points of a scaling curve are nested and share their held-out set.
-    train = order[cfg.eval_examples:][: cfg.max_conversations]
-    return (make_rows([examples[i] for i in train], cfg.max_length, cfg.pack),
-            make_rows(held_out, cfg.max_length, cfg.pack))
+    train, held_out = split_held_out(conversations, cfg.eval_examples, cfg.seed, cfg.max_conversations)
+    rows = []
+    for part in (train, held_out):
+        examples = [tokenize_conversation(tokenizer, conversations[i], cfg.keep_loops) for i in part]
+        rows.append(make_rows(examples, cfg.max_length, cfg.pack))
+    return tuple(rows)
+
+
+def split_held_out(conversations: list[list[dict]], eval_examples: int, seed: int,
+                   max_conversations: int | None = None) -> tuple[list[int], list[int]]:
+    """(training, held-out) conversation indices: a seeded shuffle's first eval_examples are held out.
+
+    Greedy distillation answers the same opening (every message before the first answer) the same way
+    each time it is asked: in a single-turn and a multi-turn conversation, or from two prompt pools. So
+    no conversation trains that opens as a held-out one does, else held-out accuracy counts answers the
+    heads learned by heart. The training sample is a prefix of the rest: a larger max_conversations adds
+    to a smaller one's, so the points of a scaling curve are nested and share their held-out set."""
+    order = torch.randperm(len(conversations), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = order[:eval_examples]
+    held_openings = {opening(conversations[i]) for i in held_out}
+    train = [i for i in order[eval_examples:] if opening(conversations[i]) not in held_openings]
+    return train[:max_conversations], held_out
+
+
+def opening(messages: list[dict]) -> tuple[tuple[str, str], ...]:
+    """The messages before the first answer, as hashable (role, content) pairs."""
+    first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return tuple((m["role"], m["content"]) for m in messages[:first_answer])
 
 
 def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
