@@ -86,6 +86,26 @@ def test_each_row_draws_as_its_requests_sampling_says():
     assert any(m[3] != greedy[3] for m in mixed)
 
 
+def test_a_prompt_asked_again_is_prefilled_once():
+    """Model-written prompts all start from one opening: a request with the last prefilled prompt copies its cache
+    and logits instead of running the model, answers as if prefilled itself, and still draws its own tokens."""
+    model = tiny_model("llama", lm_head_scale=1.0)
+    a, b = prompts(2, seed=3)
+    a, b = a + [7, 8], b + [9]  # at least 2 tokens: a prefill is the only forward of more than one
+    prefills = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: prefills.append(kwargs["input_ids"].shape[1] > 1),
+                                           with_kwargs=True)
+    asks = [a, a, b, a, a, a]
+    got = dict(decode_stream(model, deque(Request(i, ids) for i, ids in enumerate(asks)), {EOS}, rows=2,
+                             max_new_tokens=8))
+    hook.remove()
+    assert sum(prefills) == 3  # a; b; a again (only the last prompt is kept)
+    assert all(got[i] == reference(model, ids, 8) for i, ids in enumerate(asks))
+    sampled = dict(decode_stream(model, deque(Request(i, a, Sampling(True, 1.0)) for i in range(6)), set(), rows=3,
+                                 max_new_tokens=4))
+    assert len({tokens[0] for tokens in sampled.values()}) > 1  # the logits are shared, not the first token
+
+
 def record(i: int) -> dict:
     return {"id": f"p{i}",
             "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}

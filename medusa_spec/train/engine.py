@@ -127,6 +127,10 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     limit = [max_new_tokens] * rows
     watch: list[LoopWatch | None] = [None] * rows
     columns = torch.arange(capacity, device=device)
+    # The last prompt prefilled: its ids, each layer's keys and values, and its last logits. Model-written
+    # prompts (Magpie) all start from the same opening, so every request after the first copies instead of
+    # running the model. A copy, not a pointer to the row: a row left free is overwritten at column 0.
+    last_prefill: dict = {}
 
     def fill(row: int) -> bool:
         """Prefill the next request that fits into `row`; False when none is left."""
@@ -136,15 +140,24 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             if n == 0 or n >= capacity:
                 yield_later.append((request.key, []))  # nothing to answer in, or no room to answer
                 continue
-            ids = torch.tensor([request.input_ids], device=device)
-            cache.row, cache.start, cache.width = row, 0, n
-            pos = columns[None, :n]
-            mask = layer_masks(spec, torch.ones(1, n, n, dtype=torch.bool, device=device).tril_(), pos, pos, dtype)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                        use_cache=True, logits_to_keep=1)
+            if last_prefill.get("ids") == request.input_ids:
+                for layer, (keys, values) in zip(cache.layers, last_prefill["states"]):
+                    layer.keys[row, :, :n] = keys
+                    layer.values[row, :, :n] = values
+            else:
+                ids = torch.tensor([request.input_ids], device=device)
+                cache.row, cache.start, cache.width = row, 0, n
+                pos = columns[None, :n]
+                mask = layer_masks(spec, torch.ones(1, n, n, dtype=torch.bool, device=device).tril_(), pos, pos,
+                                   dtype)
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                            use_cache=True, logits_to_keep=1)
+                last_prefill.update(ids=list(request.input_ids), logits=out.logits[:, -1],
+                                    states=[(layer.keys[row, :, :n].clone(), layer.values[row, :, :n].clone())
+                                            for layer in cache.layers])
             sampling[row] = request.sampling
             limit[row] = request.max_new_tokens or max_new_tokens
-            first = _pick(out.logits[:, -1], [request.sampling], generator)
+            first = _pick(last_prefill["logits"], [request.sampling], generator)
             length[row], last[row] = n, first[0]
             active[row] = (request.key, [int(first[0])])
             watch[row] = LoopWatch() if stop_loops else None
