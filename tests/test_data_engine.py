@@ -104,6 +104,15 @@ def test_a_prompt_asked_again_is_prefilled_once():
     sampled = dict(decode_stream(model, deque(Request(i, a, Sampling(True, 1.0)) for i in range(6)), set(), rows=3,
                                  max_new_tokens=4))
     assert len({tokens[0] for tokens in sampled.values()}) > 1  # the logits are shared, not the first token
+    # The row that prefilled `a` ends and stays free (its column 0 then takes pad tokens) while `b` goes on;
+    # `a` asked again later is prefilled afresh, not copied from that row.
+    answers = {}
+    requests = deque([Request("b", b, max_new_tokens=10), Request("a", a, max_new_tokens=3)])
+    for key, tokens in decode_stream(model, requests, set(), rows=2, max_new_tokens=10):
+        answers[key] = tokens
+        if key == "b":
+            requests.append(Request("a again", a, max_new_tokens=3))
+    assert list(answers) == ["a", "b", "a again"] and answers["a again"] == answers["a"]
 
 
 def record(i: int) -> dict:

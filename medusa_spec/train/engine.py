@@ -127,9 +127,10 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     limit = [max_new_tokens] * rows
     watch: list[LoopWatch | None] = [None] * rows
     columns = torch.arange(capacity, device=device)
-    # The last prompt prefilled: its ids, each layer's keys and values, and its last logits. Model-written
-    # prompts (Magpie) all start from the same opening, so every request after the first copies instead of
-    # running the model. A copy, not a pointer to the row: a row left free is overwritten at column 0.
+    # The last prompt prefilled, the row holding it and its last logits. Model-written prompts (Magpie) all
+    # start from one opening, so a request with that prompt copies the row's first columns instead of running
+    # the model. Those columns stay as written while the row decodes or takes the same prompt again; a row
+    # left free is overwritten at column 0, so it stops being the source.
     last_prefill: dict = {}
 
     def fill(row: int) -> bool:
@@ -141,9 +142,10 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 yield_later.append((request.key, []))  # nothing to answer in, or no room to answer
                 continue
             if last_prefill.get("ids") == request.input_ids:
-                for layer, (keys, values) in zip(cache.layers, last_prefill["states"]):
-                    layer.keys[row, :, :n] = keys
-                    layer.values[row, :, :n] = values
+                source = last_prefill["row"]
+                for layer in cache.layers:
+                    layer.keys[row, :, :n] = layer.keys[source, :, :n]
+                    layer.values[row, :, :n] = layer.values[source, :, :n]
             else:
                 ids = torch.tensor([request.input_ids], device=device)
                 cache.row, cache.start, cache.width = row, 0, n
@@ -152,9 +154,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                                    dtype)
                 out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                             use_cache=True, logits_to_keep=1)
-                last_prefill.update(ids=list(request.input_ids), logits=out.logits[:, -1],
-                                    states=[(layer.keys[row, :, :n].clone(), layer.values[row, :, :n].clone())
-                                            for layer in cache.layers])
+                last_prefill.update(ids=request.input_ids, row=row, logits=out.logits[:, -1])
             sampling[row] = request.sampling
             limit[row] = request.max_new_tokens or max_new_tokens
             first = _pick(last_prefill["logits"], [request.sampling], generator)
@@ -164,6 +164,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             if watch[row] is not None:
                 watch[row].push(int(first[0]))
             return True
+        if last_prefill.get("row") == row:
+            last_prefill.clear()
         return False
 
     yield_later: list[tuple[object, list[int]]] = []
