@@ -78,7 +78,7 @@ def test_max_conversations_trains_on_nested_samples_with_the_same_held_out_set(b
         rows(max_conversations=0)
 
 
-def test_no_conversation_trains_that_opens_as_a_held_out_one_does():
+def test_no_conversation_trains_that_begins_as_a_held_out_one_does():
     def turn(role, content):
         return {"role": role, "content": content}
 
@@ -87,12 +87,15 @@ def test_no_conversation_trains_that_opens_as_a_held_out_one_does():
         chats.append([turn("user", f"q{i}"), turn("assistant", f"a{i}")])
         if i % 2 == 0:
             chats.append([turn("user", f"q{i}"), turn("assistant", f"a{i}"), turn("user", "and?"),
-                                  turn("assistant", f"b{i}")])
-    chats.append([turn("system", "terse"), turn("user", "q0"), turn("assistant", "a")])  # another opening
+                          turn("assistant", f"b{i}")])
+        else:  # asked again, answered otherwise (sampled): no leak, it trains
+            chats.append([turn("user", f"q{i}"), turn("assistant", f"other a{i}")])
+    chats.append([turn("system", "terse"), turn("user", "q0"), turn("assistant", "a0")])  # another beginning
     train, held_out = split_held_out(chats, 10, seed=0)
-    openings = [loop.opening(chats[i]) for i in held_out]
-    assert len(held_out) == 10 and not {loop.opening(chats[i]) for i in train} & set(openings)
-    shared = sum(loop.opening(c) in openings for c in chats) - len(held_out)
+    beginnings = [loop.first_exchange(chats[i]) for i in held_out]
+    assert len(held_out) == 10 and not {loop.first_exchange(chats[i]) for i in train} & set(beginnings)
+    shared = sum(loop.first_exchange(c) in beginnings for c in chats) - len(held_out)
     assert shared > 0 and len(train) == len(chats) - len(held_out) - shared  # only those left out
-    assert loop.opening(chats[-1]) == (("system", "terse"), ("user", "q0"))
+    assert any(chats[i][0] == chats[j][0] for i in train for j in held_out)  # a prompt answered otherwise trains
+    assert loop.first_exchange(chats[-1]) == (("system", "terse"), ("user", "q0"), ("assistant", "a0"))
     assert split_held_out(chats, 10, seed=0, max_conversations=4) == (train[:4], held_out)

@@ -230,22 +230,23 @@ def split_held_out(conversations: list[list[dict]], eval_examples: int, seed: in
                    max_conversations: int | None = None) -> tuple[list[int], list[int]]:
     """(training, held-out) conversation indices: a seeded shuffle's first eval_examples are held out.
 
-    Greedy distillation answers the same opening (every message before the first answer) the same way
-    each time it is asked: in a single-turn and a multi-turn conversation, or from two prompt pools. So
-    no conversation trains that opens as a held-out one does, else held-out accuracy counts answers the
-    heads learned by heart. The training sample is a prefix of the rest: a larger max_conversations adds
-    to a smaller one's, so the points of a scaling curve are nested and share their held-out set."""
+    Greedy distillation answers a prompt the same way each time it is asked: alone and as the first turn of a
+    multi-turn conversation, or from two prompt pools. So no conversation trains that begins as a held-out one
+    does, through its first answer; else held-out accuracy counts answers the heads learned by heart. (Other
+    answers to the same prompt, sampled, still train.) The training sample is a prefix of the rest: a larger
+    max_conversations adds to a smaller one's, so the points of a scaling curve are nested and share their
+    held-out set."""
     order = torch.randperm(len(conversations), generator=torch.Generator().manual_seed(seed)).tolist()
     held_out = order[:eval_examples]
-    held_openings = {opening(conversations[i]) for i in held_out}
-    train = [i for i in order[eval_examples:] if opening(conversations[i]) not in held_openings]
+    held_beginnings = {first_exchange(conversations[i]) for i in held_out}
+    train = [i for i in order[eval_examples:] if first_exchange(conversations[i]) not in held_beginnings]
     return train[:max_conversations], held_out
 
 
-def opening(messages: list[dict]) -> tuple[tuple[str, str], ...]:
-    """The messages before the first answer, as hashable (role, content) pairs."""
+def first_exchange(messages: list[dict]) -> tuple[tuple[str, str], ...]:
+    """The messages through the first answer, as hashable (role, content) pairs."""
     first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return tuple((m["role"], m["content"]) for m in messages[:first_answer])
+    return tuple((m["role"], m["content"]) for m in messages[: first_answer + 1])
 
 
 def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
