@@ -5,7 +5,9 @@
 # Round 1 answers every prompt pool in shared/data/train (GSM8K capped: the pools are mostly math
 # otherwise; duplicates across pools are answered once); round 2 has the model write its own user
 # prompts (Magpie) and answers those. A share of single-turn conversations gets a model-written
-# follow-up turn, answered again. Rerun to resume: conversations already stored are skipped.
+# follow-up turn, answered again. Round 2 goes in steps of STEP prompts (write them, answer them), so
+# a run stopped at any time keeps answers for nearly every prompt written. Rerun to resume:
+# conversations already stored are skipped.
 # Usage: bash distill.sh [OUT] [SELF_PROMPTS] [EXTRA distill flags, e.g. --device cuda --batch-size 256]
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -21,4 +23,7 @@ done
 COMMON=(--model "$MODEL" --output "$OUT" --batch-size 64 --max-new-tokens 512
         --max-prompt-tokens 640 --follow-ups 0.25)
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
-medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" --self-prompts "$SELF" "$@"
+STEP=${STEP:-1000}
+for ((n = STEP; n < SELF + STEP; n += STEP)); do
+  medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" --self-prompts $((n < SELF ? n : SELF)) "$@"
+done
