@@ -1,5 +1,7 @@
 """Hardware-aware tree choice: measure what a verify pass of n nodes costs on this machine and pick
-the tree with the most expected tokens per second for the heads' measured rank accuracies."""
+the tree with the most expected tokens per second for the heads' measured rank accuracies; and
+AdaptiveTree, generate(tree=None)'s proposer, which keeps re-choosing among those trees for the
+accuracy the heads show on the text at hand."""
 
 from __future__ import annotations
 
@@ -13,12 +15,17 @@ import torch
 from .columnwise import columnwise_copy
 from .kv_cache import new_cache
 from .loop import wait_for
-from .propose import Candidates, HostStep, Prompt, StepResult, heads_proposer
+from .output import GenerationStats
+from .propose import Candidates, HostStep, Prompt, Proposer, StepResult, heads_proposer
 from .slots import prefill
-from .tree import build_tree, grow_tree
+from .tree import build_tree, chain_tree, grow_tree
 from .verify import forward_block
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+# AdaptiveTree re-chooses every ADAPT_EVERY steps; the held-out accuracy weighs as PRIOR_ROW_STEPS rows' steps of
+# evidence, so a few lucky or unlucky steps move the choice little.
+ADAPT_EVERY = 8
+PRIOR_ROW_STEPS = 16
 
 
 def expected_tokens_per_step(choices, rank_accuracy) -> float:
@@ -125,3 +132,80 @@ def choose_tree(rank_accuracy, latency: dict[int, float],
                       "tree": choices})
     best = max(table, key=lambda row: row["expected_tokens_per_second"])
     return best["tree"], table
+
+
+def calibrated_accuracy(rank_accuracy, hits: int, seen: int) -> list[list[float]]:
+    """rank_accuracy scaled to the text at hand: every accuracy times c = (how often the heads' top depth-1 guess
+    was the base model's next token in `seen` row-steps, `hits` times, with the held-out rate as PRIOR_ROW_STEPS
+    more) / the held-out rate, capped at 1. A path of depth d then counts c**d."""
+    top1 = rank_accuracy[0][0]
+    if top1 <= 0:
+        return rank_accuracy
+    c = (hits + PRIOR_ROW_STEPS * top1) / ((seen + PRIOR_ROW_STEPS) * top1)
+    return [[min(1.0, c * accuracy) for accuracy in row] for row in rank_accuracy]
+
+
+def best_tree(table: list[dict], rank_accuracy) -> dict:
+    """The row of choose_tree's `table` with the most expected tokens per second for `rank_accuracy`, as
+    AdaptiveTree runs it: the root alone also pays the drafting of one node (its evidence, see AdaptiveTree)."""
+    guess_ms = min((row["draft_ms"] for row in table if row["nodes"] > 1), default=0.0)
+
+    def tokens_per_ms(row: dict) -> float:
+        step_ms = row["step_ms"] + (guess_ms if row["nodes"] == 1 else 0.0)
+        return expected_tokens_per_step(row["tree"], rank_accuracy) / step_ms
+
+    return max(table, key=tokens_per_ms)
+
+
+class AdaptiveTree(Proposer):
+    """generate(tree=None)'s proposer: `proposer` (the heads') on the tree of choose_tree's `table` (this
+    machine's step costs) with the most expected tokens per second, re-chosen every ADAPT_EVERY steps for the
+    accuracy the heads show on this text (calibrated_accuracy).
+
+    Why not keep the first choice: held-out accuracies come from text like the training data and overrate the
+    heads elsewhere. SmolLM2's shipped heads expect 1.85 tokens/step of their 4-node tree and take 1.53 on
+    MT-bench; for a batch of 4 on a 2-core CPU that margin chose a 2-node tree that ran 10% slower than no
+    speculation. The evidence is how often the heads' top depth-1 guess is the base model's next token, read
+    every step; while the root alone is in use the heads still draft that one guess (a one-node draft, next to
+    a verify pass), so speculation comes back when the text turns predictable."""
+
+    def __init__(self, proposer: Proposer, table: list[dict], rank_accuracy):
+        self.proposer, self.table, self.rank_accuracy = proposer, table, rank_accuracy
+        self.modules, self.feature_layers = proposer.modules, proposer.feature_layers
+        self.max_depth = max((len(path) for row in table for path in row["tree"]), default=1)
+
+    def start(self, prompt: Prompt) -> None:
+        self.proposer.start(prompt)
+        device = prompt.root.device
+        # Every tree built once; a tree without rank path [0] (its node 1) gives no evidence that step.
+        self.trees = {row["nodes"]: build_tree(row["tree"] or [[0]]).to(device) for row in self.table}
+        self.root_alone = chain_tree(0).to(device)
+        self.row = best_tree(self.table, self.rank_accuracy)
+        self.hits = torch.zeros((), dtype=torch.long, device=device)
+        self.seen = self.steps = 0
+        self.sizes: list[int] = []
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        tree = self.trees[self.row["nodes"]]
+        self.proposer.layout = tree
+        candidates = self.proposer.propose(root)
+        self.guess = candidates.node_tokens[:, 1] if tree.choices[:1] == ((0,),) else None
+        self.sizes.append(self.row["nodes"])
+        if self.row["nodes"] == 1:
+            return Candidates(root[:, None], self.root_alone)
+        return candidates
+
+    def update(self, step: StepResult) -> None:
+        self.proposer.update(step)
+        if self.guess is not None:
+            # new_tokens[:, 0]: the base model's token after the root, whatever the step accepted.
+            self.hits += ((self.guess == step.new_tokens[:, 0]) & step.active).sum()
+            self.seen += sum(step.host.active)
+        self.steps += 1
+        if self.steps % ADAPT_EVERY == 0:
+            accuracy = calibrated_accuracy(self.rank_accuracy, int(self.hits), self.seen)
+            self.row = best_tree(self.table, accuracy)
+
+    def finish(self, stats: GenerationStats) -> None:
+        self.proposer.finish(stats)
+        stats.tree_sizes = self.sizes

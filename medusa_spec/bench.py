@@ -97,6 +97,8 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
         record["acceptance_rate"] = out.stats.acceptance_rate
     if out.stats.draft_lengths:  # a draft model's K, or the lookup chain's length
         record["mean_draft_length"] = sum(out.stats.draft_lengths) / len(out.stats.draft_lengths)
+    if out.stats.tree_sizes:  # tree=None: the heads' tree adapted step by step (1 = the root alone)
+        record["mean_tree_nodes"] = sum(out.stats.tree_sizes) / len(out.stats.tree_sizes)
     return record
 
 

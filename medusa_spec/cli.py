@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-from . import bench, default_model
+from . import autotree, bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
 from .flags import DTYPES, add_flag, default_device, positive_int
 from .formats import FORMATS, convert
-from .generate import generate_with_lookup
 from .inputs import resolve_sampling
 from .model import MedusaModel
 from .train.cli import add_train_commands
@@ -76,15 +75,17 @@ def _heads_path(args):
 
 
 def _auto_tree(mm):
-    """--tree auto: measured on this machine when the heads carry rank accuracies, else the heads' own tree.
+    """--tree auto: with rank accuracies in the heads, generate's tree=None (the tree measured on this machine,
+    then re-chosen as the heads guess on the text: see MedusaModel.default_choices), else the heads' own tree.
     Returns (tree, the measured table: verify and drafting milliseconds and expected figures per tree size)."""
-    if not mm.config.metrics.get("eval", {}).get("rank_accuracy"):
+    rank_accuracy = mm.config.metrics.get("eval", {}).get("rank_accuracy")
+    if not rank_accuracy:
         return None, None
-    tree, table = mm.auto_tree()
-    best = next(row for row in table if row["tree"] == tree)
-    print(f"[tree auto: {best['nodes']} nodes, {best['step_ms']} ms/step, expected {best['expected_tokens_per_step']} "
-          f"tokens/step]", file=sys.stderr)
-    return tree, table
+    table = mm.tree_table()
+    best = autotree.best_tree(table, rank_accuracy[: mm.config.num_heads])
+    print(f"[tree auto: {best['nodes']} nodes to start, {best['step_ms']} ms/step, expected "
+          f"{best['expected_tokens_per_step']} tokens/step; re-chosen as the heads guess]", file=sys.stderr)
+    return None, table
 
 
 def _check_proposer_options(args) -> None:
@@ -129,10 +130,7 @@ def load_speculation(args):
         if draft is not None:
             return generate_with_draft(base, draft, ids, num_draft_tokens=args.draft_tokens,
                                        max_draft_tokens=args.max_draft_tokens, **options)
-        if args.lookup:
-            return generate_with_lookup(mm, ids, lookup_tokens=args.lookup, documents=documents, tree=args.tree,
-                                        **options)
-        return mm.generate(ids, tree=args.tree, **options)
+        return mm.generate(ids, tree=args.tree, lookup_tokens=args.lookup, documents=documents, **options)
 
     return speculate, mm, tokenizer
 

@@ -59,8 +59,11 @@ def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_ma
     if lookup_tokens == 0:
         raise ValueError("generate_with_lookup needs lookup_tokens >= 1 (the lookup chain's length, e.g. 10)")
     if isinstance(model, MedusaModel):
-        base_model, spec, heads, tree = model.base_model, model.spec, model.heads, model.tree(tree)
-    elif tree is not None:
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                              temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                              pad_token_id=pad_token_id, tree=tree, streamer=streamer, lookup_tokens=lookup_tokens,
+                              documents=documents)
+    if tree is not None:
         raise ValueError("tree needs Medusa heads: pass a MedusaModel "
                          "(MedusaModel.from_pretrained(base_model, heads_dir))")
     else:

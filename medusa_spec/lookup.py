@@ -204,14 +204,14 @@ class WithLookup(Proposer):
     """`proposer`'s candidates plus a lookup chain of up to `chain_length` tokens off their root, verified in
     the same pass (see add_chain for which of two equal first tokens stays reachable); the chain's length
     adapts step by step (next_chain_length), and beside a tree other than the root alone a chain needs a match of
-    MIN_NGRAM_WITH_TREE tokens. The proposer must propose one tree (the heads' or the root alone): merged trees
-    are built once per chain length."""
+    MIN_NGRAM_WITH_TREE tokens. The proposer proposes one tree per size (one tree, or AdaptiveTree's ladder):
+    merged trees are built once per tree size and chain length."""
 
     def __init__(self, proposer: Proposer, documents: list[list[int]], chain_length: int):
         self.proposer, self.documents, self.chain_length = proposer, documents, chain_length
         self.modules, self.feature_layers = proposer.modules, proposer.feature_layers
         self.max_depth = max(proposer.max_depth, chain_length)
-        self.merged_trees: dict[int, Tree] = {}  # chain length -> the proposer's tree with that chain
+        self.merged_trees: dict[tuple[int, int], Tree] = {}  # (tree nodes, chain length) -> the tree with the chain
 
     def start(self, prompt: Prompt) -> None:
         self.proposer.start(prompt)
@@ -232,9 +232,10 @@ class WithLookup(Proposer):
         if not length:
             return candidates
         self.lengths.append(length)
-        if length not in self.merged_trees:
-            self.merged_trees[length] = tree_with_chain(candidates.tree, length).to(root.device)
-        tree = self.merged_trees[length]
+        key = (num_tree_nodes, length)
+        if key not in self.merged_trees:
+            self.merged_trees[key] = tree_with_chain(candidates.tree, length).to(root.device)
+        tree = self.merged_trees[key]
         node_tokens, accept_tokens = add_chain(candidates.node_tokens, chain_tokens, has_match, num_tree_nodes,
                                                tree.depth)
         return Candidates(node_tokens, tree, accept_tokens=accept_tokens)

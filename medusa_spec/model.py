@@ -40,9 +40,9 @@ class MedusaModel(nn.Module):
         self.base_model = base_model
         self.config = config
         self.heads = heads
-        # tree=None's measured rank paths per (device, dtype) of the base model: costs differ by orders of magnitude
-        # between them, and moving the model after a first generate() must not keep a tree timed elsewhere.
-        self._measured_trees: dict[tuple[torch.device, torch.dtype, int], list[list[int]]] = {}
+        # tree=None's measured trees per (device, dtype, batch) of the base model: costs differ by orders of magnitude
+        # between them, and moving the model after a first generate() must not keep a table timed elsewhere.
+        self._measured_trees: dict[tuple[torch.device, torch.dtype, int], list[dict]] = {}
 
     @property
     def spec(self) -> BaseSpec:
@@ -114,18 +114,25 @@ class MedusaModel(nn.Module):
         return build_tree(self.default_choices(batch) if tree is None else tree, self.config.num_heads)
 
     def default_choices(self, batch: int = 1) -> list[list[int]]:
-        """The rank paths `tree=None` stands for, for a batch of `batch` rows. With rank accuracies in the adapter's
-        metrics (metrics.eval.rank_accuracy): auto_tree(batch=batch)'s choice, measured at the first call (about
-        2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and dtype and
-        the batch size, so a second call reuses it (a batch verifies batch x nodes rows: on CPU it can afford fewer
-        nodes); without them, the adapter's stored tree, else default_tree(num_heads)."""
-        if not self._rank_accuracy():
+        """The rank paths `tree=None` starts from, for a batch of `batch` rows. With rank accuracies in the adapter's
+        metrics (metrics.eval.rank_accuracy): the best of tree_table(batch) (autotree.best_tree), which generate then
+        keeps re-choosing from as the heads' accuracy on the text comes in (autotree.AdaptiveTree); without them,
+        the adapter's stored tree, else default_tree(num_heads)."""
+        rank_accuracy = self._rank_accuracy()
+        if not rank_accuracy:
             return self.config.tree or default_tree(self.config.num_heads)
+        return autotree.best_tree(self.tree_table(batch), rank_accuracy)["tree"]
+
+    def tree_table(self, batch: int = 1) -> list[dict]:
+        """The trees `tree=None` chooses from, for a batch of `batch` rows: auto_tree(batch=batch)'s table (a row
+        per tree size: rank paths, verify and drafting milliseconds, expected figures). Measured at the first call
+        (about 2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and
+        dtype and the batch size (a batch verifies batch x nodes rows: on CPU it can afford fewer nodes)."""
         device, dtype = model_device_dtype(self.base_model)
         if (device, dtype, batch) not in self._measured_trees:
             # The timing passes draw random tokens: a forked generator leaves the caller's seeded draws as they were.
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self._measured_trees[device, dtype, batch] = self.auto_tree(batch=batch)[0]
+                self._measured_trees[device, dtype, batch] = self.auto_tree(batch=batch)[1]
         return self._measured_trees[device, dtype, batch]
 
     def auto_tree(self, context: int = AUTO_CONTEXT, sizes: Sequence[int] = AUTO_SIZES,
@@ -161,7 +168,9 @@ class MedusaModel(nn.Module):
         eos_token_id=[] to never stop early). `tree`: rank paths; None (default) picks one, see default_choices:
         with the adapter's rank accuracies, the tree with the most expected tokens per second for step costs
         measured at the first call on this machine, for this batch size (a few seconds; then kept on this
-        MedusaModel), else the adapter's stored tree; `[]` turns speculation off (one token per step, same loop).
+        MedusaModel), re-chosen every few steps for how often the heads guess right on this text (down to the
+        root alone; stats.tree_sizes shows each step's), else the adapter's stored tree; an explicit tree is kept
+        as given; `[]` turns speculation off (one token per step, same loop).
         `lookup_tokens` > 0 also verifies a chain of up to that many candidates (its length adapts each step)
         copied from an earlier occurrence of the text's last n-gram in the prompt, the output or `documents`
         (lists of token ids), in the same pass. `timer`: a
@@ -172,8 +181,16 @@ class MedusaModel(nn.Module):
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
         spec = self.spec
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
-        proposer = with_lookup(heads_proposer(self.base_model, self.heads, self.tree(tree, batch)), lookup_tokens,
-                               documents, spec.vocab_size)
+        rank_accuracy = self._rank_accuracy()
+        if tree is None and rank_accuracy:
+            table = self.tree_table(batch)
+            # The root alone still drafts its one guess (AdaptiveTree's evidence): the heads' proposer on [[0]].
+            first = autotree.best_tree(table, rank_accuracy)["tree"] or [[0]]
+            proposer = autotree.AdaptiveTree(heads_proposer(self.base_model, self.heads, build_tree(first)), table,
+                                             rank_accuracy)
+        else:
+            proposer = heads_proposer(self.base_model, self.heads, self.tree(tree, batch))
+        proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
                       streamer, timer)
 

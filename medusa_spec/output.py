@@ -25,6 +25,8 @@ class GenerationStats:
     verify_seconds: float | None = None
     # Draft model: the number of draft tokens K of every step; lookup: the chain's length in every step with one.
     draft_lengths: list[int] | None = None
+    # generate(tree=None): the nodes of the heads' tree in every step (1: the root alone), as it adapted.
+    tree_sizes: list[int] | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -42,7 +44,8 @@ class GenerationStats:
                 "tokens_per_second": self.tokens_per_second, "wall_time": self.wall_time, **optional}
 
 
-_OPTIONAL_STATS = ("lookup_accepted", "acceptance_rate", "draft_seconds", "verify_seconds", "draft_lengths")
+_OPTIONAL_STATS = ("lookup_accepted", "acceptance_rate", "draft_seconds", "verify_seconds", "draft_lengths",
+                   "tree_sizes")
 
 
 @dataclass

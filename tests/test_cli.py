@@ -181,15 +181,16 @@ def test_seed_makes_sampled_output_repeat(tmp_path, monkeypatch, capsys, command
 
 def test_chat_speculates_as_generate_does(model_dir, monkeypatch, capsys):
     """chat takes generate's proposer options: the lookup chain by default (10 tokens), --lookup N, --lookup 0."""
-    import medusa_spec.cli
+    from medusa_spec import MedusaModel
 
-    chains, generate_with_lookup = [], medusa_spec.cli.generate_with_lookup
+    chains, generate = [], MedusaModel.generate
 
-    def recording_generate_with_lookup(mm, input_ids, **kwargs):
-        chains.append(kwargs["lookup_tokens"])
-        return generate_with_lookup(mm, input_ids, **kwargs)
+    def recording_generate(self, input_ids, **kwargs):
+        if kwargs.get("lookup_tokens"):
+            chains.append(kwargs["lookup_tokens"])
+        return generate(self, input_ids, **kwargs)
 
-    monkeypatch.setattr(medusa_spec.cli, "generate_with_lookup", recording_generate_with_lookup)
+    monkeypatch.setattr(MedusaModel, "generate", recording_generate)
     for options, expected in [([], [10, 10]), (["--lookup", "3"], [3, 3]), (["--lookup", "0"], [])]:
         said = iter(["w5 w9 w11 w5 w9", "w7 w8", ""])
         monkeypatch.setattr("builtins.input", lambda prompt="": next(said))
@@ -227,11 +228,10 @@ def test_distill_samples_as_generate_does(tmp_path):
 @pytest.mark.parametrize("proposer", [["--lookup", "0"], []], ids=["heads", "heads+lookup"])
 def test_sampling_follows_the_models_generation_config_unless_a_flag_is_given(tmp_path, monkeypatch, capsys,
                                                                                    proposer):
-    import medusa_spec.cli
     from medusa_spec import MedusaModel
 
     path = save_tiny_model(tmp_path, do_sample=True, temperature=0.5, top_k=7)
-    calls, generate, generate_with_lookup = [], MedusaModel.generate, medusa_spec.cli.generate_with_lookup
+    calls, generate = [], MedusaModel.generate
 
     def record(mm, kwargs):
         given = {name: kwargs.get(name) for name in ("do_sample", "temperature", "top_k", "top_p")}
@@ -242,12 +242,7 @@ def test_sampling_follows_the_models_generation_config_unless_a_flag_is_given(tm
         record(self, kwargs)
         return generate(self, input_ids, **kwargs)
 
-    def recording_generate_with_lookup(mm, input_ids, **kwargs):
-        record(mm, kwargs)
-        return generate_with_lookup(mm, input_ids, **kwargs)
-
     monkeypatch.setattr(MedusaModel, "generate", recording_generate)
-    monkeypatch.setattr(medusa_spec.cli, "generate_with_lookup", recording_generate_with_lookup)
     command = ["generate", "w5 w9 w11", "--model", str(path), "--max-new-tokens", "4", "--tree", "off", *proposer]
     assert main(command) == 0
     assert calls == [(True, 0.5, 7, 1.0)]  # as transformers' generate would sample for this model

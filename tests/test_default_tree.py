@@ -102,7 +102,8 @@ def test_a_batch_measures_its_own_rows_and_keeps_its_own_choice(monkeypatch, mea
     for rows in (ids[:1], ids, ids, ids[1:]):
         mm.generate(rows, max_new_tokens=4, eos_token_id=[])
     assert sizes == [1, 2]
-    assert measured["drafted"] == [paths(mm.default_choices(1))] + [[]] * 2 + [paths(mm.default_choices(1))]
+    # The root alone still drafts the heads' top depth-1 guess, AdaptiveTree's evidence.
+    assert measured["drafted"] == [paths(mm.default_choices(1))] + [[(0,)]] * 2 + [paths(mm.default_choices(1))]
     assert len(mm.default_choices(1)) > 1 and mm.default_choices(2) == []
 
 
@@ -124,3 +125,46 @@ def test_measuring_leaves_seeded_sampling_as_with_the_tree_passed(measured):
     again = mm.generate(ids, max_new_tokens=16, eos_token_id=[], do_sample=True, temperature=1.5,
                         tree=measured["chosen"][0])
     assert torch.equal(first.sequences, again.sequences)
+
+
+# Costs that grow with the tree: worth a large tree for the held-out ACCURACY, not for heads that guess wrong.
+GROWING = {n: 0.010 * (1 + 0.3 * n) for n in autotree.CANDIDATE_SIZES}
+
+
+def growing_table():
+    return autotree.choose_tree(ACCURACY, GROWING, dict.fromkeys(GROWING, 0.0))[1]
+
+
+def test_the_heads_accuracy_on_the_text_moves_the_choice():
+    """calibrated_accuracy weighs the held-out rate as PRIOR_ROW_STEPS row-steps: a few misses move little, many
+    move the choice to the root alone; guesses right more often than held out move it to a larger tree."""
+    table = growing_table()
+    prior = autotree.best_tree(table, ACCURACY)
+    assert prior["nodes"] > 1
+    assert autotree.calibrated_accuracy(ACCURACY, hits=0, seen=0) == ACCURACY
+    assert autotree.best_tree(table, autotree.calibrated_accuracy(ACCURACY, hits=0, seen=4))["nodes"] > 1
+    assert autotree.best_tree(table, autotree.calibrated_accuracy(ACCURACY, hits=0, seen=64))["tree"] == []
+    low = [[0.2, 0.05], [0.2, 0.05]]  # held out: the root alone, until the heads prove better on this text
+    assert autotree.best_tree(table, low)["tree"] == []
+    right = autotree.calibrated_accuracy(low, hits=64, seen=64)
+    assert right[0][0] == pytest.approx((64 + 16 * 0.2) / (80 * 0.2) * 0.2)
+    assert autotree.best_tree(table, right)["nodes"] > 1
+
+
+def test_tree_none_drops_to_the_root_alone_where_the_heads_miss(monkeypatch):
+    """Untrained heads on a random model almost never guess the next token: a tree chosen for the held-out
+    accuracy gives way to the root alone within a few re-choices, the output still transformers' greedy."""
+    monkeypatch.setattr(autotree, "measure_step_costs", lambda *args, **kwargs: (GROWING, dict.fromkeys(GROWING, 0.0)))
+    mm = with_accuracies()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]])
+    with torch.no_grad():
+        reference = mm.base_model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = mm.generate(ids, max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(out.sequences, reference)
+    sizes = out.stats.tree_sizes
+    assert len(sizes) == out.stats.steps - 1  # every step after the prefill
+    assert sizes[0] == autotree.best_tree(growing_table(), ACCURACY)["nodes"] > 1
+    assert sizes[-1] == 1 and sizes.index(1) % autotree.ADAPT_EVERY == 0
+    # An explicit tree is kept as given.
+    fixed = mm.generate(ids, max_new_tokens=40, eos_token_id=[], tree=[[0], [0, 0]])
+    assert fixed.stats.tree_sizes is None and torch.equal(fixed.sequences, reference)
