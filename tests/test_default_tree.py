@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, autotree, model
+from medusa_spec import MedusaConfig, MedusaModel, autotree, model, propose
 from tiny_models import tiny_model
 
 ACCURACY = [[0.8, 0.1], [0.6, 0.1]]
@@ -156,15 +156,53 @@ def test_tree_none_drops_to_the_root_alone_where_the_heads_miss(monkeypatch):
     accuracy gives way to the root alone within a few re-choices, the output still transformers' greedy."""
     monkeypatch.setattr(autotree, "measure_step_costs", lambda *args, **kwargs: (GROWING, dict.fromkeys(GROWING, 0.0)))
     mm = with_accuracies()
-    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]])
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     with torch.no_grad():
-        reference = mm.base_model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = mm.generate(ids, max_new_tokens=40, eos_token_id=[])
+        reference = mm.base_model.generate(ids, max_new_tokens=96, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = mm.generate(ids, max_new_tokens=96, eos_token_id=[])
     assert torch.equal(out.sequences, reference)
     sizes = out.stats.tree_sizes
     assert len(sizes) == out.stats.steps - 1  # every step after the prefill
     assert sizes[0] == autotree.best_tree(growing_table(), ACCURACY)["nodes"] > 1
     assert sizes[-1] == 1 and sizes.index(1) % autotree.ADAPT_EVERY == 0
     # An explicit tree is kept as given.
-    fixed = mm.generate(ids, max_new_tokens=40, eos_token_id=[], tree=[[0], [0, 0]])
+    fixed = mm.generate(ids, max_new_tokens=96, eos_token_id=[], tree=[[0], [0, 0]])
     assert fixed.stats.tree_sizes is None and torch.equal(fixed.sequences, reference)
+
+
+class Guesses(propose.Proposer):
+    """Drafts `guess[b]` at every node of row b: the test decides which rows' heads are right."""
+
+    def __init__(self, guess: torch.Tensor):
+        self.guess = guess
+
+    def propose(self, root):
+        node_tokens = self.guess[:, None].expand(-1, self.layout.num_nodes).clone()
+        node_tokens[:, 0] = root
+        return propose.Candidates(node_tokens, self.layout)
+
+
+def test_a_batch_adapts_to_the_row_the_heads_serve_worst():
+    """A batch runs until its last row is done: with one row always guessed right and one never, the tree follows
+    the row that misses (the batch's mean hit rate would keep a tree), and once that row is done, the other."""
+    table = growing_table()
+    guess = torch.tensor([7, 7])
+    adaptive = autotree.AdaptiveTree(Guesses(guess), table, ACCURACY)
+    root = torch.tensor([1, 1])
+    adaptive.start(propose.Prompt(root[:, None], torch.ones(2, 1, dtype=torch.bool), None, root, None))
+
+    def steps(n, going):
+        for _ in range(n):
+            adaptive.propose(root)
+            new_tokens = torch.tensor([[7], [8]])  # row 0's next token is the guess, row 1's is not
+            active = torch.tensor(going)
+            host = propose.HostStep([0, 0], going, [[7], [8]])
+            adaptive.update(propose.StepResult(None, None, None, None, None, new_tokens, active, active, host))
+
+    steps(64, [True, True])
+    assert adaptive.sizes[0] > 1 and adaptive.sizes[-1] == 1  # row 1's 0 hits in 64 steps: the root alone
+    mean = autotree.calibrated_accuracy(ACCURACY, hits=64, seen=128)
+    assert autotree.best_tree(table, mean)["nodes"] > 1  # what the batch's mean would have kept
+    steps(8, [True, False])
+    adaptive.propose(root)
+    assert adaptive.sizes[-1] > 1  # row 1 is done: row 0's guesses, all right, set the tree
