@@ -56,7 +56,8 @@ def test_tree_none_is_the_measured_tree_measured_once(measured):
         assert torch.equal(out.sequences, reference)
     assert measured["measure"] == 1  # the second call reuses the choice
     (chosen,) = measured["chosen"]
-    assert measured["drafted"] == [paths(chosen)] * 2 and mm.default_choices() == chosen
+    # (Where this machine's timings choose the root alone, the heads still draft their top guess: [[0]].)
+    assert measured["drafted"] == [paths(chosen or [[0]])] * 2 and mm.default_choices() == chosen
     assert measured["measure"] == 1
     # The measured tree is this MedusaModel's: nothing is set on the base model; a new MedusaModel measures again.
     assert set(vars(mm.base_model)) == attributes
@@ -115,14 +116,14 @@ def test_without_accuracies_the_stored_tree_and_no_measurement(measured):
 
 def test_measuring_leaves_seeded_sampling_as_with_the_tree_passed(measured):
     """The timing passes draw random tokens from their own generator, so a seeded first call samples what a
-    call given the chosen tree explicitly samples."""
+    call given the chosen tree explicitly samples (8 tokens: fewer steps than the first re-choice takes)."""
     mm = with_accuracies()
     ids = torch.tensor([[5, 6, 7, 8]])
     torch.manual_seed(0)
-    first = mm.generate(ids, max_new_tokens=16, eos_token_id=[], do_sample=True, temperature=1.5)
+    first = mm.generate(ids, max_new_tokens=autotree.ADAPT_EVERY, eos_token_id=[], do_sample=True, temperature=1.5)
     assert measured["measure"] == 1
     torch.manual_seed(0)
-    again = mm.generate(ids, max_new_tokens=16, eos_token_id=[], do_sample=True, temperature=1.5,
+    again = mm.generate(ids, max_new_tokens=autotree.ADAPT_EVERY, eos_token_id=[], do_sample=True, temperature=1.5,
                         tree=measured["chosen"][0])
     assert torch.equal(first.sequences, again.sequences)
 
