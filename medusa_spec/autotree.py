@@ -164,10 +164,11 @@ class AdaptiveTree(Proposer):
 
     Why not keep the first choice: held-out accuracies come from text like the training data and overrate the
     heads elsewhere. SmolLM2's shipped heads expect 1.85 tokens/step of their 4-node tree and take 1.53 on
-    MT-bench; for a batch of 4 on a 2-core CPU that margin chose a 2-node tree that ran 10% slower than no
-    speculation. The evidence is how often the heads' top depth-1 guess is the base model's next token, read
-    every step, for the row of the batch where that is rarest; while the root alone is in use the heads still draft that one guess (a one-node draft, next to
-    a verify pass), so speculation comes back when the text turns predictable."""
+    MT-bench; for a batch of 4 on a 2-core CPU that margin chose a 2-node tree that ran 16% slower than no
+    speculation (scripts/bench_batch.py). The evidence is how often the heads' top depth-1 guess is the base
+    model's next token, read every step, in the still-generating row where that is rarest (a batch runs until
+    its last row is done). While the root alone is in use the heads still draft that one guess (a one-node
+    draft, next to a verify pass), so speculation comes back when the text turns predictable."""
 
     def __init__(self, proposer: Proposer, table: list[dict], rank_accuracy):
         self.proposer, self.table, self.rank_accuracy = proposer, table, rank_accuracy
@@ -181,7 +182,6 @@ class AdaptiveTree(Proposer):
         self.trees = {row["nodes"]: build_tree(row["tree"] or [[0]]).to(device) for row in self.table}
         self.root_alone = chain_tree(0).to(device)
         self.row = best_tree(self.table, self.rank_accuracy)
-        # Per row: a batch runs until its last row is done, so the row the heads serve worst sets the pace.
         self.hits = torch.zeros(prompt.root.shape[0], dtype=torch.long, device=device)
         self.seen = torch.zeros_like(self.hits)
         self.steps = 0
@@ -205,7 +205,7 @@ class AdaptiveTree(Proposer):
             self.seen += step.active
         self.steps += 1
         if self.steps % ADAPT_EVERY == 0:
-            # The still-generating row with the lowest hit rate (the held-out one weighing as in calibrated_accuracy).
+            # The still-generating row with the lowest hit rate, the held-out rate weighing as in calibrated_accuracy.
             prior = PRIOR_ROW_STEPS * self.rank_accuracy[0][0]
             rate = ((self.hits + prior) / (self.seen + PRIOR_ROW_STEPS)).masked_fill(~step.going, float("inf"))
             hits, seen = torch.stack([self.hits, self.seen])[:, rate.argmin()].tolist()

@@ -59,16 +59,15 @@ def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_ma
     if lookup_tokens == 0:
         raise ValueError("generate_with_lookup needs lookup_tokens >= 1 (the lookup chain's length, e.g. 10)")
     if isinstance(model, MedusaModel):
-        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                              temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-                              pad_token_id=pad_token_id, tree=tree, streamer=streamer, lookup_tokens=lookup_tokens,
-                              documents=documents)
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_token_id=eos_token_id, pad_token_id=pad_token_id, tree=tree, streamer=streamer,
+                              lookup_tokens=lookup_tokens, documents=documents)
     if tree is not None:
         raise ValueError("tree needs Medusa heads: pass a MedusaModel "
                          "(MedusaModel.from_pretrained(base_model, heads_dir))")
-    else:
-        base_model, spec, heads, tree = model, inspect_base_model(model), None, build_tree([])
+    base_model, spec = model, inspect_base_model(model)
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
-    return generate(base_model, spec, heads, tree, input_ids, attention_mask, max_new_tokens,
+    return generate(base_model, spec, None, build_tree([]), input_ids, attention_mask, max_new_tokens,
                     resolve_sampling(base_model, do_sample, temperature, top_k, top_p), eos, pad, streamer,
                     lookup_tokens, documents)
