@@ -20,7 +20,7 @@ POOLS=()
 for f in "$TRAIN"/*.jsonl; do
   case $(basename "$f") in gsm8k_train.jsonl) POOLS+=("$f:2000");; *) POOLS+=("$f");; esac
 done
-COMMON=(--model "$MODEL" --output "$OUT" --batch-size 64 --max-new-tokens 512
+COMMON=(--model "$MODEL" --output "$OUT" --batch-size 128 --max-new-tokens 512
         --max-prompt-tokens 640 --follow-ups 0.25)
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
 STEP=${STEP:-1000}
