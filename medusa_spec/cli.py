@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import autotree, bench, default_model
+from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
 from .flags import DTYPES, add_flag, default_device, positive_int
@@ -78,11 +78,10 @@ def _auto_tree(mm):
     """--tree auto: with rank accuracies in the heads, generate's tree=None (the tree measured on this machine,
     then re-chosen as the heads guess on the text: see MedusaModel.default_choices), else the heads' own tree.
     Returns (tree, the measured table: verify and drafting milliseconds and expected figures per tree size)."""
-    rank_accuracy = mm.config.metrics.get("eval", {}).get("rank_accuracy")
-    if not rank_accuracy:
+    if not mm.config.metrics.get("eval", {}).get("rank_accuracy"):
         return None, None
-    table = mm.tree_table()
-    best = autotree.best_tree(table, rank_accuracy[: mm.config.num_heads])
+    table, start = mm.tree_table(), mm.default_choices()
+    best = next(row for row in table if row["tree"] == start)
     print(f"[tree auto: {best['nodes']} nodes to start, {best['step_ms']} ms/step, expected "
           f"{best['expected_tokens_per_step']} tokens/step; re-chosen as the heads guess]", file=sys.stderr)
     return None, table
