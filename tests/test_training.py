@@ -43,7 +43,8 @@ from medusa_spec.train.data import (
     tokenize_conversation,
 )
 from medusa_spec.train.distill import SELF_PROMPTS, DistillConfig, answer, distill
-from medusa_spec.train.evaluate import count_rank_hits
+from medusa_spec.train.draft_vocab import answer_token_counts, frequent_tokens
+from medusa_spec.train.evaluate import calibrate_tree, count_rank_hits
 from medusa_spec.train.load import load_model_and_tokenizer
 from medusa_spec.train.loop import train
 from medusa_spec.train.loss import heads_loss, kl_to_teacher, linear_cross_entropy, shifted_cross_entropy
@@ -541,6 +542,41 @@ def test_resume_after_a_kill_reaches_the_weights_of_an_uninterrupted_run(mode, b
         straight, killed = (load_file(tmp_path / d / "lora" / "adapter_model.safetensors")
                             for d in ("straight", "killed"))
         assert all(torch.equal(straight[k], killed[k]) for k in straight)
+
+
+def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_vocabulary(base_dir, conversations,
+                                                                                      tmp_path):
+    first = tmp_path / "first"
+    train(small_run(base_dir, conversations, first, head_type="dependent", draft_vocab=16, max_steps=10, log_every=1))
+    calibrate_tree(first, 4)  # the tree stored for these accuracies
+    # Data on which the 16 most frequent answer tokens are others: the continuation must keep the heads' own.
+    lines = conversations.read_text().splitlines()
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("\n".join(lines[:6] * 4) + "\n")
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    rows = make_rows([tokenize_conversation(tokenizer, m, False) for m in read_conversations(fewer)], 64, True)
+    saved = load_file(first / "medusa_heads.safetensors")
+    assert not torch.equal(frequent_tokens(answer_token_counts(rows, base_model.config.vocab_size), 16), saved["token_map"])
+
+    # lr 0: the heads come back as saved (the architecture flags left at their defaults take the adapter's).
+    still = tmp_path / "still"
+    train(small_run(base_dir, fewer, still, init_heads=str(first), lr=0.0, max_steps=2, eval_examples=4))
+    kept = load_file(still / "medusa_heads.safetensors")
+    assert saved.keys() == kept.keys() and all(torch.equal(saved[k], kept[k]) for k in saved)
+    config = MedusaConfig.from_json_file(still / "medusa_config.json")
+    assert (config.head_type, config.draft_vocab_size, config.num_heads, config.tree) == ("dependent", 16, 3, None)
+
+    # Training on from the saved heads starts at the loss they ended with, not at a fresh start's.
+    train(small_run(base_dir, conversations, tmp_path / "more", init_heads=str(first), max_steps=1, log_every=1))
+    losses = {run: [r["loss"] for r in map(json.loads, (tmp_path / run / "train_log.jsonl").read_text().splitlines())
+                    if "loss" in r] for run in ("first", "more")}
+    assert losses["more"][0] < 1.5 * losses["first"][-1] and losses["first"][0] > 5 * losses["first"][-1], losses
+
+    with pytest.raises(ValueError, match="--num-layers 1, but --num-layers 2 was given"):
+        train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(first), num_layers=2))
+    (first / "lora").mkdir()
+    with pytest.raises(ValueError, match="Medusa-2 LoRA adapter"):
+        train(small_run(base_dir, conversations, tmp_path / "lora", init_heads=str(first)))
 
 
 def test_teacher_targets_learn_the_base_from_answers_it_did_not_write(base_dir, tmp_path):

@@ -23,6 +23,7 @@ from .. import default_model
 from ..base import inspect_base_model
 from ..config import MedusaConfig
 from ..eagle import draft_layer_shape
+from ..io import LORA_DIR
 from ..model import MedusaModel
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -68,24 +69,25 @@ def train(cfg: TrainConfig) -> dict:
     max_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
 
     # 2. Heads (+ LoRA), optimizer with one learning rate per group, schedule.
-    draft_layer = None  # eagle heads: the base's shape (MedusaModel.from_base), unless the MLP width is set
-    if cfg.draft_layer_mlp is not None:
-        draft_layer = {**draft_layer_shape(base_model.config.get_text_config(decoder=True), spec.hidden_size),
-                       "intermediate_size": cfg.draft_layer_mlp}
-    medusa = MedusaModel.from_base(base_model, MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                                            share_lm_head=cfg.share_lm_head, head_type=cfg.head_type,
-                                                            draft_vocab_size=cfg.draft_vocab,
-                                                            context_heads=cfg.context_heads,
-                                                            feature_layers=cfg.feature_layers,
-                                                            draft_layer=draft_layer))
+    if cfg.init_heads is not None:
+        medusa, cfg = continued_heads(base_model, cfg)
+    else:
+        draft_layer = None  # eagle heads: the base's shape (MedusaModel.from_base), unless the MLP width is set
+        if cfg.draft_layer_mlp is not None:
+            draft_layer = {**draft_layer_shape(base_model.config.get_text_config(decoder=True), spec.hidden_size),
+                           "intermediate_size": cfg.draft_layer_mlp}
+        medusa = MedusaModel.from_base(base_model, MedusaConfig(
+            num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
+            head_type=cfg.head_type, draft_vocab_size=cfg.draft_vocab, context_heads=cfg.context_heads,
+            feature_layers=cfg.feature_layers, draft_layer=draft_layer))
     heads = medusa.heads.float()
     draft_targets, vocab_summary = None, {}
     if cfg.draft_vocab is not None:
         counts = answer_token_counts(train_rows, spec.vocab_size)
-        token_map = frequent_tokens(counts, cfg.draft_vocab)
-        heads.set_token_map(token_map, base_model.get_output_embeddings())
-        heads.init_projections_from(base_model.get_output_embeddings())  # own projections: the map's rows
-        draft_targets = draft_index(token_map, spec.vocab_size).to(accelerator.device)
+        if cfg.init_heads is None:
+            heads.set_token_map(frequent_tokens(counts, cfg.draft_vocab), base_model.get_output_embeddings())
+            heads.init_projections_from(base_model.get_output_embeddings())  # own projections: the map's rows
+        draft_targets = draft_index(heads.token_map.cpu(), spec.vocab_size).to(accelerator.device)
         sizes = sorted({cfg.draft_vocab, *(s for s in (1024, 2048, 4096, 8192, 16384) if s < spec.vocab_size)})
         vocab_summary = {"draft_vocab": {"size": cfg.draft_vocab, "coverage": coverage(counts, sizes)}}
     base_model.requires_grad_(False)
@@ -196,6 +198,32 @@ def train(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.print(f"saved the adapter to {output_dir}")
     return {**summary, "eval": metrics}
+
+
+def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainConfig]:
+    """The heads saved in cfg.init_heads on `base_model`, and cfg with their architecture (a head flag set to
+    another value than theirs is refused). Their tree is dropped: it was chosen for their old accuracies."""
+    path = Path(cfg.init_heads)
+    if (path / LORA_DIR).exists():
+        raise ValueError(f"--init-heads {path} holds a Medusa-2 LoRA adapter ({LORA_DIR}/); training goes on from heads "
+                         f"trained on a frozen base only: pass the heads of a medusa1 run")
+    medusa = MedusaModel.from_pretrained(base_model, path)
+    config = medusa.config
+    draft_layer_mlp = config.draft_layer["intermediate_size"] if config.head_type == "eagle" else None
+    theirs = {"num_heads": config.num_heads, "num_layers": config.num_layers, "share_lm_head": config.share_lm_head,
+              "head_type": config.head_type, "draft_vocab": config.draft_vocab_size,
+              "context_heads": config.context_heads, "feature_layers": list(config.feature_layers),
+              "draft_layer_mlp": draft_layer_mlp}
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(TrainConfig)}
+    for name, value in theirs.items():
+        given = getattr(cfg, name)
+        if given != value and given != defaults[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"--init-heads {path}: its heads have {flag} {value}, but {flag} {given} was given; leave "
+                             f"{flag} out to train them on as they are, or drop --init-heads to train new heads")
+    medusa.config = dataclasses.replace(config, tree=None)
+    return medusa, dataclasses.replace(cfg, **theirs)
 
 
 def _check_backend(accelerator, batch_size: int) -> None:
