@@ -60,9 +60,9 @@ def main() -> None:
 
     base_model, tokenizer = load_model_and_tokenizer(str(default_model.prepare()), "float32")
     rows = make_rows([tokenize_conversation(tokenizer, m) for m in clean], args.max_length, pack=True)
+    spec = inspect_base_model(base_model)
     for heads in args.heads:
         medusa = MedusaModel.from_pretrained(base_model, heads)
-        spec = inspect_base_model(base_model)
         module = TrainModule(base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep)
         metrics = evaluate(module, rows, args.batch_size, tokenizer.pad_token_id, args.eval_ranks, Accelerator())
         accuracy = metrics["rank_accuracy"]

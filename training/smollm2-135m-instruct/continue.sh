@@ -3,7 +3,8 @@
 # on for one pass over MAX_CONVERSATIONS more of the distilled conversations (a seeded sample of all of them, the
 # held-out 40 left out; about a quarter of it is conversations train.sh's sample holds too), then the tree and the
 # copy to heads/. One pass: no hidden-state cache, the base runs once per row anyway. 2,400 conversations (1,610 rows
-# of 512 tokens) took about 95 minutes on a 2-core AVX2 CPU at 150-160 tokens/s. Killed? Rerun with RESUME=--resume.
+# of 512 tokens) took 73 minutes on a 2-core AVX2 CPU at 137-168 tokens/s. Killed? Rerun with RESUME=--resume.
+# Run it after train.sh, whose heads it reads from heads/ (HEADS); it replaces them there with the ones it trains.
 # Usage: bash continue.sh [HEADS] [DATA] [RUN_DIR]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
