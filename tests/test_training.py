@@ -556,7 +556,8 @@ def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_voca
     base_model, tokenizer = load_model_and_tokenizer(base_dir)
     rows = make_rows([tokenize_conversation(tokenizer, m, False) for m in read_conversations(fewer)], 64, True)
     saved = load_file(first / "medusa_heads.safetensors")
-    assert not torch.equal(frequent_tokens(answer_token_counts(rows, base_model.config.vocab_size), 16), saved["token_map"])
+    own_top = frequent_tokens(answer_token_counts(rows, base_model.config.vocab_size), 16)
+    assert not torch.equal(own_top, saved["token_map"])
 
     # lr 0: the heads come back as saved (the architecture flags left at their defaults take the adapter's).
     still = tmp_path / "still"

@@ -34,10 +34,11 @@ class TrainConfig:
                                          "faster on CPUs); default: the base model's")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
                                      "(a token map saved with them); default: the full vocabulary")
-    init_heads: str | None = option(None, "start from the heads of a saved adapter (this library's format, the original "
-                                    "Medusa's or vLLM's) and train them on, e.g. on data they have not seen; their "
-                                    "architecture and draft vocabulary are kept (head flags that set another are "
-                                    "refused); their tree is dropped, for `medusa-spec tree` to grow one from the new accuracies")
+    init_heads: str | None = option(None, "start from the heads of a saved adapter (this library's format, the "
+                                    "original Medusa's or vLLM's) and train them on, e.g. on data they have not "
+                                    "seen; their architecture and draft vocabulary are kept (head flags that set "
+                                    "another are refused); their tree is dropped, for `medusa-spec tree` to grow "
+                                    "one from the new accuracies")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")
     heads_target: str = option("tokens", "what the heads learn at each position: tokens, the data's token "
                                "(cross-entropy); teacher, the base model's whole next-token distribution there "

@@ -205,8 +205,8 @@ def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainCon
     another value than theirs is refused). Their tree is dropped: it was chosen for their old accuracies."""
     path = Path(cfg.init_heads)
     if (path / LORA_DIR).exists():
-        raise ValueError(f"--init-heads {path} holds a Medusa-2 LoRA adapter ({LORA_DIR}/); training goes on from heads "
-                         f"trained on a frozen base only: pass the heads of a medusa1 run")
+        raise ValueError(f"--init-heads {path} holds a Medusa-2 LoRA adapter ({LORA_DIR}/); training goes on from "
+                         f"heads trained on a frozen base only: pass the heads of a medusa1 run")
     medusa = MedusaModel.from_pretrained(base_model, path)
     config = medusa.config
     draft_layer_mlp = config.draft_layer["intermediate_size"] if config.head_type == "eagle" else None
