@@ -6,7 +6,7 @@ newest run's is not measured on its own training answers. For each adapter: per-
 against the base's greedy tokens, and the expected tokens per step of the best 4- and 8-node trees grown from them.
 
     python scripts/compare_heads.py --data training/data/smollm2-135m-instruct \\
-        --heads heads/smollm2-135m-instruct runs/new --trained-on 5854:1600
+        --heads heads/smollm2-135m-instruct runs/smollm2-dependent-continued --trained-on 5854:1600
 
 --trained-on FIRST:COUNT: a run trained on COUNT conversations sampled from the first FIRST conversations of --data,
 as `train` sampled them before held-out beginnings were filtered (the seeded shuffle's items 40 .. 40 + COUNT).
