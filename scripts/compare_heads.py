@@ -1,15 +1,14 @@
 """Held-out accuracy of several adapters on the same conversations, none of which any of them trained on.
 
-The held-out set is the one `medusa-spec train` holds out (--eval-examples, --seed) from the conversations in --data,
-less the conversations an earlier run trained on (--trained-on), so an adapter trained on other data than the
-newest run's is not measured on its own training answers. For each adapter: per-head top-1 and top-8 accuracy
-against the base's greedy tokens, and the expected tokens per step of the best 4- and 8-node trees grown from them.
+The held-out set is sampled as `medusa-spec train` holds one out (--eval-examples, --seed) from the conversations in
+--data that no adapter trained on: those listed in the --exclude files (the trained_conversations.txt that
+`medusa-spec train` writes beside each adapter) are left out first. For each adapter: per-head top-1 and top-8
+accuracy against the base's greedy tokens, and the expected tokens per step of the best 4- and 8-node trees grown
+from them.
 
     python scripts/compare_heads.py --data training/data/smollm2-135m-instruct \\
-        --heads heads/smollm2-135m-instruct runs/smollm2-dependent-continued --trained-on 5854:1600
-
---trained-on FIRST:COUNT: a run trained on COUNT conversations sampled from the first FIRST conversations of --data,
-as `train` sampled them before held-out beginnings were filtered (the seeded shuffle's items 40 .. 40 + COUNT).
+        --heads heads/smollm2-135m-instruct runs/smollm2-dependent-more \\
+        --exclude runs/smollm2-dependent-more/trained_conversations.txt
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
 from accelerate import Accelerator
 
 from medusa_spec import MedusaModel, default_model
@@ -26,15 +24,9 @@ from medusa_spec.base import inspect_base_model
 from medusa_spec.train.data import make_rows, read_conversations, tokenize_conversation
 from medusa_spec.train.evaluate import evaluate
 from medusa_spec.train.load import load_model_and_tokenizer
-from medusa_spec.train.loop import first_exchange, split_held_out
+from medusa_spec.train.loop import split_held_out, without_excluded
 from medusa_spec.train.module import TrainModule
 from medusa_spec.tree import grow_tree
-
-
-def earlier_sample(conversations: list, first: int, count: int, seed: int, held_out: int = 40) -> list:
-    """The training sample of a run on conversations[:first] under the split without held-out filtering."""
-    order = torch.randperm(first, generator=torch.Generator().manual_seed(seed)).tolist()
-    return [conversations[i] for i in order[held_out: held_out + count]]
 
 
 def main() -> None:
@@ -43,20 +35,15 @@ def main() -> None:
     parser.add_argument("--heads", nargs="+", required=True)
     parser.add_argument("--eval-examples", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trained-on", action="append", default=[], metavar="FIRST:COUNT")
+    parser.add_argument("--exclude", nargs="+", default=[], metavar="FILE")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--eval-ranks", type=int, default=8)
     args = parser.parse_args()
 
-    conversations = [m for path in args.data for m in read_conversations(path)]
+    conversations = without_excluded([m for path in args.data for m in read_conversations(path)], args.exclude)
     _, held_out = split_held_out(conversations, args.eval_examples, args.seed)
-    seen = set()
-    for spec in args.trained_on:
-        first, count = map(int, spec.split(":"))
-        seen |= {first_exchange(m) for m in earlier_sample(conversations, first, count, args.seed)}
-    clean = [conversations[i] for i in held_out if first_exchange(conversations[i]) not in seen]
-    print(f"{len(held_out)} held out, {len(clean)} of them trained on by no adapter")
+    clean = [conversations[i] for i in held_out]
 
     base_model, tokenizer = load_model_and_tokenizer(str(default_model.prepare()), "float32")
     rows = make_rows([tokenize_conversation(tokenizer, m) for m in clean], args.max_length, pack=True)

@@ -64,7 +64,7 @@ def test_max_conversations_trains_on_nested_samples_with_the_same_held_out_set(b
     def rows(**overrides):
         cfg = small_run(base_dir, conversations, "unused", pack=False, max_length=512, keep_loops=True,
                         **overrides)  # a row per conversation; counting words is all loops
-        train_rows, eval_rows = build_rows(tokenizer, messages, cfg)
+        train_rows, eval_rows, _ = build_rows(tokenizer, messages, cfg)
         return [tuple(row[0].input_ids) for row in train_rows], [tuple(row[0].input_ids) for row in eval_rows]
 
     everything, held_out = rows()

@@ -39,6 +39,10 @@ class TrainConfig:
                                     "seen; their architecture and draft vocabulary are kept (head flags that set "
                                     "another are refused); their tree is dropped, for `medusa-spec tree` to grow "
                                     "one from the new accuracies")
+    exclude: list[str] = option([], "leave out the conversations listed in these files: the "
+                                "trained_conversations.txt every run writes beside its adapter (e.g. the one "
+                                "--init-heads came with), so heads trained on learn from answers they have not seen "
+                                "and are measured on others; a conversation beginning as a listed one is left out too")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")
     heads_target: str = option("tokens", "what the heads learn at each position: tokens, the data's token "
                                "(cross-entropy); teacher, the base model's whole next-token distribution there "

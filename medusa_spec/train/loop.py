@@ -9,8 +9,10 @@ batch_size rows on every process.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -57,10 +59,11 @@ def train(cfg: TrainConfig) -> dict:
     # 1. Data (read first: a bad file fails before a big model loads) and base model. Trainable
     # weights stay fp32; the base takes the mixed-precision dtype.
     conversations = [messages for path in cfg.data for messages in read_conversations(path)]
+    conversations = without_excluded(conversations, cfg.exclude, accelerator.print)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     base_model, tokenizer = load_model_and_tokenizer(cfg.model, dtype, cfg.plain_text)
     spec = inspect_base_model(base_model)
-    train_rows, eval_rows = build_rows(tokenizer, conversations, cfg)
+    train_rows, eval_rows, trained_on = build_rows(tokenizer, conversations, cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
     per_epoch = len(train_rows) // (cfg.batch_size * accelerator.num_processes)
     if per_epoch == 0:
@@ -195,6 +198,10 @@ def train(cfg: TrainConfig) -> dict:
     if accelerator.is_main_process:
         medusa.config = dataclasses.replace(medusa.config, metrics={"eval": metrics, "train": summary})
         medusa.save_heads(output_dir, lora=base_model if medusa2 else None)  # Medusa-2: the peft model -> lora/
+        # What the heads learned from: this run's sample and, trained on, what the initial heads had learned from.
+        if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
+            trained_on |= read_trained_on(Path(cfg.init_heads) / TRAINED_ON)
+        write_trained_on(output_dir / TRAINED_ON, trained_on)
     accelerator.wait_for_everyone()
     accelerator.print(f"saved the adapter to {output_dir}")
     return {**summary, "eval": metrics}
@@ -239,10 +246,12 @@ def _check_backend(accelerator, batch_size: int) -> None:
 
 
 def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
-    """Conversations -> (train rows, eval rows); the held-out conversations are a seeded sample."""
+    """Conversations -> (train rows, eval rows, the training sample's conversation keys); the held-out
+    conversations are a seeded sample."""
     if cfg.eval_examples >= len(conversations):
         raise ValueError(f"--eval-examples {cfg.eval_examples} leaves nothing to train on: the data holds "
-                         f"{len(conversations)} conversations; lower --eval-examples or distill more")
+                         f"{len(conversations)} conversations{' not excluded' if cfg.exclude else ''}; lower "
+                         f"--eval-examples or distill more")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise ValueError(f"--max-conversations {cfg.max_conversations}: give at least 1, or leave it out to train on "
                          f"every conversation")
@@ -251,7 +260,58 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
     for part in (train, held_out):
         examples = [tokenize_conversation(tokenizer, conversations[i], cfg.keep_loops) for i in part]
         rows.append(make_rows(examples, cfg.max_length, cfg.pack))
-    return tuple(rows)
+    return rows[0], rows[1], {conversation_key(conversations[i]) for i in train}
+
+
+# ---------------------------------------------------------------- which conversations a run learned from
+
+# Written beside the adapter: the key of every conversation its heads trained on, so a later run (--init-heads
+# plus --exclude) learns from other answers and is measured on answers the heads never saw.
+TRAINED_ON = "trained_conversations.txt"
+_KEY = re.compile(r"[0-9a-f]{16}")
+
+
+def conversation_key(messages: list[dict]) -> str:
+    """A conversation's name in a TRAINED_ON file: a hash of its first exchange, so conversations that begin alike
+    (a prompt answered alone and as a multi-turn conversation's first turn) share it, as in split_held_out."""
+    return hashlib.sha256(json.dumps(first_exchange(messages)).encode()).hexdigest()[:16]
+
+
+def write_trained_on(path: Path, keys: set[str]) -> None:
+    header = (f"# {len(keys)} conversations trained on: sha256 of each one's first exchange (its messages through "
+              f"the first answer, as JSON [[role, content], ...]), first 16 hex digits\n")
+    path.write_text(header + "".join(f"{k}\n" for k in sorted(keys)))
+
+
+def read_trained_on(path: str | Path) -> set[str]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--exclude {path}: no such file; give the {TRAINED_ON} a `medusa-spec train` run wrote "
+                         f"beside its adapter")
+    keys = set()
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not _KEY.fullmatch(line):
+            raise ValueError(f"--exclude {path}:{number}: {line[:40]!r} is not a conversation key (16 hex digits); "
+                             f"give the {TRAINED_ON} a `medusa-spec train` run wrote beside its adapter")
+        keys.add(line)
+    return keys
+
+
+def without_excluded(conversations: list[list[dict]], exclude: list[str], report=print) -> list[list[dict]]:
+    """The conversations that begin as none listed in the `exclude` files (TRAINED_ON files) does."""
+    if not exclude:
+        return conversations
+    excluded = set().union(*(read_trained_on(path) for path in exclude))
+    kept = [m for m in conversations if conversation_key(m) not in excluded]
+    report(f"--exclude: {len(conversations) - len(kept)} of {len(conversations)} conversations begin as one "
+           f"listed ({len(excluded)} listed); {len(kept)} left")
+    if not kept:
+        raise ValueError(f"--exclude leaves none of the {len(conversations)} conversations of --data: every one was "
+                         f"trained on already; distill more, or drop --exclude to train on them again")
+    return kept
 
 
 def split_held_out(conversations: list[list[dict]], eval_examples: int, seed: int,

@@ -20,5 +20,6 @@ medusa-spec train --model "$MODEL" --data "$DATA" --output "$RUN" ${RESUME:-} \
 medusa-spec tree --heads "$RUN" --nodes 8
 if [ -z "${NO_SHIP:-}" ]; then
   mkdir -p "$ROOT/heads/smollm2-135m-instruct"
-  cp "$RUN/medusa_config.json" "$RUN/medusa_heads.safetensors" "$ROOT/heads/smollm2-135m-instruct/"
+  cp "$RUN/medusa_config.json" "$RUN/medusa_heads.safetensors" "$RUN/trained_conversations.txt" \
+    "$ROOT/heads/smollm2-135m-instruct/"
 fi
