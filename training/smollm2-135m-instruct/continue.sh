@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Stage 4 of the SmolLM2-135M-Instruct heads recipe: the shipped heads trained on for one pass over MAX_CONVERSATIONS
 # distilled conversations they have not learned from (a seeded sample of those that the trained_conversations.txt
-# beside them does not list; the held-out 40 left out), then the tree and the copy to heads/. Rerun it as the data
-# grows: each run adds its sample to the list it copies there. One pass: no hidden-state cache, the base runs once
-# per row anyway. 2,400 conversations (1,610 rows of 512 tokens) took 73 minutes on a 2-core AVX2 CPU at 137-168
-# tokens/s. Killed? Rerun with RESUME=--resume.
+# beside them does not list; the held-out 40 left out), then the tree and the copy to heads/. Rerun it, with a new
+# RUN_DIR, as the data grows: each run adds its sample to the list it copies there. One pass: no hidden-state cache,
+# the base runs once per row anyway. 2,400 conversations (1,610 rows of 512 tokens) took 73 minutes on a 2-core AVX2
+# CPU at 137-168 tokens/s. Killed? Rerun with RESUME=--resume.
 # Run it after train.sh, whose heads it reads from heads/ (HEADS); it replaces them there with the ones it trains.
 # (Its first run, before --exclude existed, sampled all conversations: 664 of its 2,400 were train.sh's too.)
 # Usage: bash continue.sh [HEADS] [DATA] [RUN_DIR]
