@@ -64,6 +64,10 @@ def train(cfg: TrainConfig) -> dict:
     base_model, tokenizer = load_model_and_tokenizer(cfg.model, dtype, cfg.plain_text)
     spec = inspect_base_model(base_model)
     train_rows, eval_rows, trained_on = build_rows(tokenizer, conversations, cfg)
+    # What the heads will have learned from: this run's sample plus what the initial heads had (read now: a bad
+    # record fails before training, not after).
+    if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
+        trained_on |= read_trained_on(Path(cfg.init_heads) / TRAINED_ON, "--init-heads")
     output_dir.mkdir(parents=True, exist_ok=True)
     per_epoch = len(train_rows) // (cfg.batch_size * accelerator.num_processes)
     if per_epoch == 0:
@@ -198,9 +202,6 @@ def train(cfg: TrainConfig) -> dict:
     if accelerator.is_main_process:
         medusa.config = dataclasses.replace(medusa.config, metrics={"eval": metrics, "train": summary})
         medusa.save_heads(output_dir, lora=base_model if medusa2 else None)  # Medusa-2: the peft model -> lora/
-        # What the heads learned from: this run's sample and, trained on, what the initial heads had learned from.
-        if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
-            trained_on |= read_trained_on(Path(cfg.init_heads) / TRAINED_ON)
         write_trained_on(output_dir / TRAINED_ON, trained_on)
     accelerator.wait_for_everyone()
     accelerator.print(f"saved the adapter to {output_dir}")
@@ -283,10 +284,11 @@ def write_trained_on(path: Path, keys: set[str]) -> None:
     path.write_text(header + "".join(f"{k}\n" for k in sorted(keys)))
 
 
-def read_trained_on(path: str | Path) -> set[str]:
+def read_trained_on(path: str | Path, flag: str = "--exclude") -> set[str]:
+    """The keys a TRAINED_ON file lists; errors name `flag`, the setting that gave the file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--exclude {path}: no such file; give the {TRAINED_ON} a `medusa-spec train` run wrote "
+        raise ValueError(f"{flag} {path}: no such file; give the {TRAINED_ON} a `medusa-spec train` run wrote "
                          f"beside its adapter")
     keys = set()
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -294,7 +296,7 @@ def read_trained_on(path: str | Path) -> set[str]:
         if not line or line.startswith("#"):
             continue
         if not _KEY.fullmatch(line):
-            raise ValueError(f"--exclude {path}:{number}: {line[:40]!r} is not a conversation key (16 hex digits); "
+            raise ValueError(f"{flag} {path}:{number}: {line[:40]!r} is not a conversation key (16 hex digits); "
                              f"give the {TRAINED_ON} a `medusa-spec train` run wrote beside its adapter")
         keys.add(line)
     return keys
