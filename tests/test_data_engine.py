@@ -21,8 +21,10 @@ EOS = 2
 
 def reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy answer, through the first eos."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
-                         pad_token_id=0)[0, len(ids):].tolist()
+    # An explicit mask: without one, generate masks every token equal to pad_token_id, e.g. one an answer wrote.
+    ids = torch.tensor([ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=EOS, pad_token_id=0)[0, ids.shape[1]:].tolist()
     return out[: next((i + 1 for i, t in enumerate(out) if t == EOS), len(out))]
 
 
@@ -60,6 +62,29 @@ def test_requests_added_while_decoding_are_answered():
         assert answers[("next", i)] == reference(model, ids + answers[i] + [5, 6], 6)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_next_turn_prefills_only_what_its_row_lacks(arch):
+    """A conversation's next turn, asked as its row ends, goes to that row and keeps the columns it holds (the
+    earlier prompt and answer): only the answer's last token and the new message run. The answer equals
+    transformers' generate on the whole conversation."""
+    model = tiny_model(arch)
+    asks = prompts(3, seed=4)
+    one_row = []  # tokens run per one-row forward (a decode step runs all three rows)
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: one_row.extend([kwargs["input_ids"].shape[1]] * (kwargs["input_ids"].shape[0] == 1)),
+        with_kwargs=True)
+    requests = deque(Request(i, ids) for i, ids in enumerate(asks))
+    answers = {}
+    for key, tokens in decode_stream(model, requests, {EOS}, rows=3, max_new_tokens=8, capacity=64):
+        answers[key] = tokens
+        if isinstance(key, int):
+            requests.appendleft(Request(("next", key), asks[key] + tokens + [5, 6]))
+    hook.remove()
+    for i, ids in enumerate(asks):
+        assert answers[("next", i)] == reference(model, ids + answers[i] + [5, 6], 8), (arch, i)
+    assert one_row == [len(ids) for ids in asks] + [3, 3, 3]
+
+
 def test_no_room_and_empty_requests_come_back_empty():
     model = tiny_model("llama")
     requests = deque([Request("long", list(range(3, 40))), Request("empty", []), Request("ok", [5, 6, 7])])
@@ -92,14 +117,17 @@ def test_a_prompt_asked_again_is_prefilled_once():
     model = tiny_model("llama", lm_head_scale=1.0)
     a, b = prompts(2, seed=3)
     a, b = a + [7, 8], b + [9]  # at least 2 tokens: a prefill is the only forward of more than one
-    prefills = []
-    hook = model.register_forward_pre_hook(lambda _, args, kwargs: prefills.append(kwargs["input_ids"].shape[1] > 1),
-                                           with_kwargs=True)
+    prefills = []  # tokens run per one-row forward (a decode step runs both rows)
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["input_ids"].shape[0] == 1)),
+        with_kwargs=True)
     asks = [a, a, b, a, a, a]
     got = dict(decode_stream(model, deque(Request(i, ids) for i, ids in enumerate(asks)), {EOS}, rows=2,
                              max_new_tokens=8))
     hook.remove()
-    assert sum(prefills) == 3  # a; b; a again (only the last prompt is kept)
+    # a; a copied; b in row 0; a in row 1, which still holds it (only its last token runs, for the logits); a
+    # twice more, copied from row 1.
+    assert prefills == [len(a), len(b), 1]
     assert all(got[i] == reference(model, ids, 8) for i, ids in enumerate(asks))
     sampled = dict(decode_stream(model, deque(Request(i, a, Sampling(True, 1.0)) for i in range(6)), set(), rows=3,
                                  max_new_tokens=4))

@@ -4,7 +4,9 @@ at its own length, a finished row refilled with the next request at once (contin
 transformers' `generate` pads a batch to its longest prompt, grows its cache by concatenation at
 every step, and keeps finished rows in the batch until the longest answer ends. Here the cache
 is allocated once ([rows, kv_heads, capacity, head_dim] per layer), a row writes at its own
-column, and a finished row takes the next prompt while the others go on. The model is the
+column, and a finished row takes the next prompt while the others go on: a conversation's next turn,
+asked at once, goes to the row that held the turn before and prefills only what that row does not
+already hold (its answer's last token and the new message). The model is the
 caller's, unchanged: the cache is a plain transformers `Cache` whose layers write per row, and
 the mask and positions are passed explicitly, so any decoder-only model that accepts a 4D mask
 runs here without modeling code of its own.
@@ -102,6 +104,11 @@ def _pick(logits: torch.Tensor, samplings: list[Sampling], generator) -> torch.T
     return tokens
 
 
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *, rows: int = 64,
                   max_new_tokens: int = 512, capacity: int | None = None, pad_token_id: int = 0,
                   seed: int = 0, stop_loops: bool = False) -> Iterator[tuple[object, list[int]]]:
@@ -132,6 +139,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     # the model. Those columns stay as written while the row decodes or takes the same prompt again; a row
     # left free is overwritten at column 0, so it stops being the source.
     last_prefill: dict = {}
+    held: list[list[int]] = [[] for _ in range(rows)]  # per row: the tokens its valid columns hold
 
     def fill(row: int) -> bool:
         """Prefill the next request that fits into `row`; False when none is left."""
@@ -147,14 +155,18 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                     layer.keys[row, :, :n] = layer.keys[source, :, :n]
                     layer.values[row, :, :n] = layer.values[source, :, :n]
             else:
-                ids = torch.tensor([request.input_ids], device=device)
-                cache.row, cache.start, cache.width = row, 0, n
-                pos = columns[None, :n]
-                mask = layer_masks(spec, torch.ones(1, n, n, dtype=torch.bool, device=device).tril_(), pos, pos,
-                                   dtype)
-                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                # Columns the row already holds for this prompt's beginning (a conversation's earlier turns) are
+                # kept; at least the last token runs, for its logits. Kept columns were written one token at a
+                # time, so they equal a fresh prefill's up to rounding.
+                start = min(_shared_prefix(held[row], request.input_ids), n - 1)
+                ids = torch.tensor([request.input_ids[start:]], device=device)
+                cache.row, cache.start, cache.width = row, start, n
+                q_pos, kv_pos = columns[None, start:n], columns[None, :n]
+                mask = layer_masks(spec, kv_pos[:, None, :] <= q_pos[:, :, None], q_pos, kv_pos, dtype)
+                out = model(input_ids=ids, attention_mask=mask, position_ids=q_pos, cache=cache,
                             use_cache=True, logits_to_keep=1)
                 last_prefill.update(ids=request.input_ids, row=row, logits=out.logits[:, -1])
+            held[row] = request.input_ids
             sampling[row] = request.sampling
             limit[row] = request.max_new_tokens or max_new_tokens
             first = _pick(last_prefill["logits"], [request.sampling], generator)
@@ -166,6 +178,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             return True
         if last_prefill.get("row") == row:
             last_prefill.clear()
+        held[row] = []
         return False
 
     yield_later: list[tuple[object, list[int]]] = []
@@ -184,7 +197,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                     if tokens[-1] in eos_token_ids or len(tokens) >= limit[row] or length[row] + 1 >= capacity:
                         active[row] = None
                         yield key, tokens
-                        fill(row)
+                        fill(row)  # only its prompt was written: held[row] is right
             if not any(a is not None for a in active):
                 for item in yield_later:
                     yield item
@@ -211,5 +224,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 looping = watch[row] is not None and watch[row].push(picked[row])
                 if done[row] or len(a[1]) >= limit[row] or looping:
                     active[row] = None
+                    # Its columns: the prompt and every answer token but the last (never fed back).
+                    held[row] = held[row] + a[1][: len(a[1]) - 1]
                     yield (a[0], a[1][:watch[row].start]) if looping else a
                     fill(row)
