@@ -25,7 +25,7 @@ from medusa_spec.lookup import (
 )
 from medusa_spec.output import GenerationStats
 from medusa_spec.propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult
-from medusa_spec.tree import build_tree, chain_tree
+from medusa_spec.tree import build_tree
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
 from test_sampling import SETTINGS, chi_square_p_value, exact_joint, triple_counts
@@ -184,28 +184,41 @@ def test_chains_are_as_long_as_the_longest_match():
     assert chain_tokens.tolist() == [[6, 5, 6, 5], [8, 8, 8, 8]] and has_match.tolist() == [True, False]
 
 
-def test_beside_a_tree_a_chain_needs_a_two_token_match():
-    """A 1-token match guesses the next token about as often as the heads do and costs rows: only lookup alone
-    (the root-only tree) copies after one."""
+def test_beside_a_tree_a_chain_needs_a_three_token_match_and_then_replaces_the_tree():
+    """A 1- or 2-token match guesses too rarely to pay for its rows beside the heads' tree; lookup alone (the
+    root-only tree) copies after one. A 3-token match's chain is right far more often than the heads' first guess:
+    when every row has one, the step verifies the root and the chain alone, at least as many nodes as the tree had
+    (rows the step would have paid for anyway). With a row that has none, the chain hangs beside the tree."""
     assert lookup_chain(NgramIndex([5, 6, 7, 8, 9, 6]), [], 4) == [7, 8, 9, 6]
     assert lookup_chain(NgramIndex([5, 6, 7, 8, 9, 6]), [], 4, min_ngram=2) == []
     assert lookup_chain(NgramIndex([5, 6, 7, 8, 5, 6]), [], 4, min_ngram=2) == [7, 8, 5, 6]
 
-    class Heads(Proposer):  # any proposer with a tree of its own, as the heads
+    class Heads(Proposer):  # any proposer with a tree of its own, as the heads: 5 nodes
         def start(self, prompt):
-            self.tree = chain_tree(0)
+            self.tree = build_tree([[0], [1], [0, 0], [0, 0, 0]])
 
         def propose(self, root):
-            return Candidates(root[:, None], self.tree)
+            return Candidates(torch.full((root.shape[0], 5), 3), self.tree)
 
-    ids = torch.tensor([[5, 6, 7, 8, 9]])
-    prompt = Prompt(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros(1, 5, 4), torch.tensor([6]), None)
-    lengths = {}
-    for name, inner in (("lookup alone", RootOnly()), ("beside heads", Heads())):
-        proposer = WithLookup(inner, [], 4)
-        proposer.start(prompt)
-        lengths[name] = proposer.propose(torch.tensor([6])).tree.num_nodes - 1
-    assert lengths == {"lookup alone": 4, "beside heads": 0}
+    def candidates(rows, root, inner=None, chain_length=10, length=None):
+        ids = torch.tensor(rows)
+        proposer = WithLookup(inner or Heads(), [], chain_length)
+        proposer.start(Prompt(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros(*ids.shape, 4), root, None))
+        proposer.length = length or chain_length
+        return proposer.propose(root).node_tokens.tolist()
+
+    seven = torch.tensor([7])
+    # "6 7" seen before: a chain for lookup alone, none beside the tree.
+    assert candidates([[5, 6, 7, 8, 6]], seven, RootOnly(), chain_length=3) == [[7, 8, 6, 7]]
+    assert candidates([[5, 6, 7, 8, 6]], seven, chain_length=3) == [[3, 3, 3, 3, 3]]
+    # "5 6 7" seen before: root and chain alone, the chain copying on past the end ...
+    assert candidates([[5, 6, 7, 8, 9, 5, 6]], seven, chain_length=6) == [[7, 8, 9, 5, 6, 7, 8]]
+    # ... and a chain shortened to 1 by misses still takes the tree's 4 nodes beyond the root.
+    assert candidates([[5, 6, 7, 8, 9, 5, 6]], seven, length=1) == [[7, 8, 9, 5, 6]]
+    # A batch whose second row has no chain: the tree's 5 nodes, then the first row's chain (the second row pads
+    # with its last token and cannot reach its copy: add_chain).
+    batch = candidates([[5, 6, 7, 8, 9, 5, 6], [2, 1, 5, 6, 4, 8, 6]], torch.tensor([7, 7]), chain_length=3)
+    assert batch == [[3, 3, 3, 3, 3, 8, 9, 5], [3, 3, 3, 3, 3, 7, 7, 7]]
 
 
 def test_chain_length_adapts_as_assisted_decoding_does():
