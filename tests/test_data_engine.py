@@ -48,25 +48,11 @@ def test_greedy_rows_equal_transformers_generate_with_refills(arch):
         assert got[i] == reference(model, ids, limits[i]), (arch, i)
 
 
-def test_requests_added_while_decoding_are_answered():
-    """The caller extends the queue (a conversation's next turn) while rows are running."""
-    model = tiny_model("llama")
-    asks = prompts(4, seed=1)
-    requests = deque(Request(i, ids) for i, ids in enumerate(asks))
-    answers = {}
-    for key, tokens in decode_stream(model, requests, {EOS}, rows=2, max_new_tokens=6, capacity=64):
-        answers[key] = tokens
-        if isinstance(key, int):
-            requests.appendleft(Request(("next", key), asks[key] + tokens + [5, 6]))
-    for i, ids in enumerate(asks):
-        assert answers[("next", i)] == reference(model, ids + answers[i] + [5, 6], 6)
-
-
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_next_turn_prefills_only_what_its_row_lacks(arch):
-    """A conversation's next turn, asked as its row ends, goes to that row and keeps the columns it holds (the
-    earlier prompt and answer): only the answer's last token and the new message run. The answer equals
-    transformers' generate on the whole conversation."""
+    """A conversation's next turn, added to the queue while rows run (as distill asks one), goes to the row that
+    held the turn before and keeps the columns it holds (the earlier prompt and answer): only the answer's last
+    token and the new message run. The answer equals transformers' generate on the whole conversation."""
     model = tiny_model(arch)
     asks = prompts(3, seed=4)
     one_row = []  # tokens run per one-row forward (a decode step runs all three rows)
