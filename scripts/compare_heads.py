@@ -43,8 +43,7 @@ from medusa_spec.train.module import TrainModule
 from medusa_spec.tree import grow_tree
 
 
-def answered_prompts(base_model, tokenizer, specs: list[str], path: str | None, max_new_tokens: int,
-                     batch_size: int) -> list[dict]:
+def answered_prompts(base_model, tokenizer, specs: list[str], path: str | None, max_new_tokens: int) -> list[dict]:
     """[{"category", "messages"}] for the first turns of the prompts in `specs`, answered greedily by the base model;
     read from `path` when it exists (it must hold those prompts), else written there."""
     prompts = read_eval_prompts(specs)
@@ -55,8 +54,7 @@ def answered_prompts(base_model, tokenizer, specs: list[str], path: str | None, 
                              f"another --answers file, to answer these")
         return records
     conversations = [[{"role": "user", "content": text}] for _, text in prompts]
-    config = DistillConfig(prompts=specs, output="-", batch_size=batch_size, max_new_tokens=max_new_tokens,
-                           do_sample=False)
+    config = DistillConfig(prompts=specs, output="-", max_new_tokens=max_new_tokens, do_sample=False)  # 64 rows
     replies, _ = answer(base_model, tokenizer, conversations, config)
     records = [{"category": category, "messages": [*messages, {"role": "assistant", "content": reply}]}
                for (category, _), messages, reply in zip(prompts, conversations, replies)]
@@ -67,7 +65,7 @@ def answered_prompts(base_model, tokenizer, specs: list[str], path: str | None, 
 
 def pooled(metrics: list[dict]) -> dict:
     """evaluate()'s metrics of several texts -> those of all of them: the hit counts back from each text's rank
-    accuracies (4 decimals, exact below 5,000 positions a head), summed."""
+    accuracies (4 decimals: exact below 10,000 positions a head), summed."""
     hits = sum(torch.tensor(m["rank_accuracy"], dtype=torch.float64) * torch.tensor(m["positions"])[:, None]
                for m in metrics)
     return accuracy_metrics(hits.round().long(), sum(torch.tensor(m["positions"]) for m in metrics))
@@ -106,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         groups = {"held-out": [tokenize_conversation(tokenizer, conversations[i]) for i in held_out]}
         max_length = args.max_length
     else:
-        records = answered_prompts(base_model, tokenizer, args.prompts, args.answers, args.max_new_tokens,
-                                   args.batch_size * 16)
+        records = answered_prompts(base_model, tokenizer, args.prompts, args.answers, args.max_new_tokens)
         # Loops stay: the benchmark's text runs on through them. Rows are as long as the longest conversation, so
         # every prompt counts, long documents included.
         examples = [tokenize_conversation(tokenizer, r["messages"], keep_loops=True) for r in records]
