@@ -3,8 +3,11 @@
 # CPU or GPU computes bf16 natively, else fp32) into a folder of gzipped chunks in this repository, so any
 # machine continues it.
 # Round 1 answers every prompt pool in shared/data/train (GSM8K capped: the pools are mostly math
-# otherwise; duplicates across pools are answered once); round 2 has the model write its own user
-# prompts (Magpie) and answers those. A share of single-turn conversations gets a model-written
+# otherwise; duplicates across pools are answered once). Then tasks over documents: summaries,
+# extraction, rewriting and answers from given documents over the model's own earlier answers, and
+# the OpenAssistant pool's non-English turns to translate into English (scripts/document_prompts.py;
+# the pool is written once, DOC_TASKS document tasks, and kept in OUT). Round 2 has the model write
+# its own user prompts (Magpie) and answers those. A share of single-turn conversations gets a model-written
 # follow-up turn, answered again. Round 2 goes in steps of STEP prompts (write them, answer them), so
 # a run stopped at any time keeps answers for nearly every prompt written. Rerun to resume:
 # conversations already stored are skipped.
@@ -22,6 +25,11 @@ for f in "$TRAIN"/*.jsonl; do
 done
 COMMON=(--model "$MODEL" --output "$OUT" --batch-size 128 --max-new-tokens 512
         --max-prompt-tokens 640 --follow-ups 0.25)
+medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
+DOCS=$OUT/document_prompts.jsonl
+[ -f "$DOCS" ] || python "$HERE/../../scripts/document_prompts.py" "$OUT" "$DOCS" --tasks "${DOC_TASKS:-1000}" \
+  --translate "$TRAIN/oasst1_val_prompts_qlora_oa_questions.jsonl"
+POOLS+=("$DOCS")
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
 STEP=${STEP:-1000}
 for ((n = STEP; n < SELF + STEP; n += STEP)); do
