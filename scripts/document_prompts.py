@@ -106,16 +106,17 @@ def document_tasks(docs: list[tuple[str, str]], count: int, rng: random.Random) 
 
 
 def translation_tasks(path: Path) -> list[dict]:
-    """"Translate <language> to English: <text>" for each non-English first turn of an OpenAssistant file
-    ({"input": "### Human: ... ### Assistant: ...", "lang": ...})."""
-    tasks = []
+    """"Translate <language> to English: <text>" for each distinct non-English first turn of an OpenAssistant file
+    ({"input": "### Human: ... ### Assistant: ...", "lang": ...}; several transcripts open with the same turn)."""
+    tasks, seen = [], set()
     for number, record in read_jsonl(path):
         if not isinstance(record, dict) or "input" not in record or "lang" not in record:
             raise SystemExit(f"{path}:{number}: expected OpenAssistant records with `input` and `lang` fields")
         language = LANGUAGES.get(record["lang"])
         parts = record["input"].split("### Human:")
         text = parts[1 if len(parts) > 1 else 0].split("### Assistant:")[0].strip()
-        if language and text and len(text) <= MAX_TRANSLATE_CHARS:
+        if language and text and len(text) <= MAX_TRANSLATE_CHARS and text not in seen:
+            seen.add(text)
             tasks.append({"prompt": f"Translate {language} to English: {text}", "category": "translation"})
     return tasks
 

@@ -42,6 +42,7 @@ def oasst(tmp_path):
     records = [{"input": "### Human: Hola, ¿qué tal? ### Assistant: Bien.", "lang": "es"},
                {"input": "### Human: Hello there ### Assistant: Hi.", "lang": "en"},
                {"input": "### Human: Guten Tag", "lang": "de"},
+               {"input": "### Human: Guten Tag ### Assistant: Hallo. ### Human: Wie geht's?", "lang": "de"},
                {"input": "### Human: " + "Sehr lang. " * 100, "lang": "de"},
                {"input": "### Human: Tere", "lang": "et"}]
     path = tmp_path / "oasst.jsonl"
@@ -58,7 +59,7 @@ def test_tasks_are_built_over_distinct_clean_answers_and_non_english_turns(data,
         by_kind.setdefault(t["category"], []).append(t["prompt"])
     assert {k: len(v) for k, v in by_kind.items()} == {"summarization": 2, "extraction": 2, "rewriting": 2,
                                                        "rag": 2, "translation": 2}
-    # English, unknown languages and overlong turns are left out; the human turn alone is asked.
+    # English, unknown languages, overlong turns and repeats are left out; the human turn alone is asked.
     assert sorted(by_kind["translation"]) == ["Translate German to English: Guten Tag",
                                               "Translate Spanish to English: Hola, ¿qué tal?"]
     used = []
