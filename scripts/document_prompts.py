@@ -7,15 +7,15 @@ extraction, against 0.48-0.54 on code and math), and the training pools in share
 an answer the model copies and rephrases what the prompt holds, which a head must learn to read from the hidden state.
 
 The documents are the base model's own first answers in a distilled data folder (no text from outside the training
-data, no evaluation set): each is used once, and one that ends in a loop is skipped. An answer
-from a given document puts the document, a second conversation's answer as a distractor, and the first
-conversation's question after them, in shuffled order, as retrieval-augmented prompts do. Translation prompts are the
-non-English first turns of an OpenAssistant prompt file (--translate), asked "Translate <language> to English: ...".
+data, no evaluation set): each is used once, and one that ends in a loop is skipped. An answer from given documents
+is asked as retrieval-augmented prompts are: two documents in random order (the answer to the question, and another
+conversation's answer as a distractor), then the question. Translation prompts are the distinct non-English first
+turns of an OpenAssistant prompt file (--translate), asked "Translate <language> to English: ...".
 
 The output is a prompt file for `medusa-spec distill --prompts` ({"prompt", "category"} per line). distill resumes by
 file name and line number, so an existing output is never rewritten (the same data gives the same file: --seed).
 
-    python scripts/document_prompts.py training/data/smollm2-135m-instruct OUT.jsonl --tasks 2000 \\
+    python scripts/document_prompts.py training/data/smollm2-135m-instruct OUT.jsonl --tasks 1000 \\
         --translate ../shared/data/train/oasst1_val_prompts_qlora_oa_questions.jsonl
 """
 
