@@ -78,3 +78,39 @@ def test_heads_are_scored_per_category_on_the_base_models_own_answers(base_dir, 
     prompts.write_text(json.dumps({"category": "early", "turns": [ask(5)["content"]]}) + "\n")
     with pytest.raises(SystemExit, match="answers to other prompts"):
         compare_heads.main(argv)
+
+
+def test_copy_positions_split_the_same_positions_and_hits_as_compare_heads(base_dir, adapter, tmp_path,  # noqa: F811
+                                                                           capsys):
+    import copy_positions
+
+    # The 3 tokens known at t (ids[t-1 : t+2]) occurred before, ending at t or earlier: the token after them copies.
+    ids = [1, 2, 3, 4, 1, 2, 3, 4]
+    assert copy_positions.copied(ids, ids[2:]) == [False] * 5 + [True]
+    assert copy_positions.copied(ids, ids[2:-1] + [9]) == [False] * 6
+    assert copy_positions.copied([7] * 6, [7] * 4) == [False, False, True, True]  # the first (7, 7, 7) ends at t = 2
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"category": c, "turns": [ask(s)["content"]]}) + "\n"
+                               for c, s in (("early", 1), ("early", 2), ("late", 17))))
+    answers = tmp_path / "answers.jsonl"
+    copy_positions.main(["--model", str(base_dir), "--heads", str(adapter), "--prompts", str(prompts),
+                         "--answers", str(answers), "--max-new-tokens", str(ANSWER + 4)])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["text"] for line in lines] == ["early", "late", "all"]
+
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    records = [json.loads(line) for line in answers.read_text().splitlines()]
+    medusa = MedusaModel.from_pretrained(base_model, adapter)
+    spec = inspect_base_model(base_model)
+    module = TrainModule(base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep)
+    counts = copy_positions.count(module, medusa.heads.token_map, tokenizer, records)
+    examples = [tokenize_conversation(tokenizer, r["messages"], keep_loops=True) for r in records]
+    longest = max(len(e.input_ids) for e in examples)
+    for line, category, chosen in zip(lines, ("early", "late"), (examples[:2], examples[2:])):
+        direct = evaluate(module, make_rows(chosen, longest, pack=True), 2, tokenizer.pad_token_id, 8, Accelerator())
+        copies, copy_hits, others, other_hits = counts[category]
+        assert line["positions"] == copies + others == direct["positions"][0] > 0
+        assert round((copy_hits + other_hits) / (copies + others), 4) == direct["top1"][0]
+        assert line["copy_share"] == round(copies / (copies + others), 3)
+    assert lines[2]["positions"] == lines[0]["positions"] + lines[1]["positions"]

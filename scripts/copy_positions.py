@@ -1,0 +1,89 @@
+"""Where heads fail on copied text: head-0 top-1 accuracy split by whether the token copies the text before it.
+
+At each answer position the heads are scored as `compare_heads.py --prompts` scores them (head 0 guesses the base's
+greedy token two positions on, teacher-forced on the base's own answers). A position counts as a copy when the last 3
+tokens known there (the root token included) occurred earlier in the conversation, prompt included, and the token
+after their latest earlier occurrence is that target: what a lookup chain after a 3-token match would propose.
+Per category: the share of copy positions, and head 0's top-1 at copy positions and elsewhere.
+
+    python scripts/copy_positions.py --heads heads/smollm2-135m-instruct \\
+        --prompts medusa_spec/data/other_tasks_question.jsonl --answers heads/smollm2-135m-instruct/answers-other.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from compare_heads import answered_prompts
+
+from medusa_spec import MedusaModel, default_model
+from medusa_spec.base import inspect_base_model
+from medusa_spec.train.data import collate, tokenize_conversation
+from medusa_spec.train.load import load_model_and_tokenizer
+from medusa_spec.train.loss import target_mask
+from medusa_spec.train.module import TrainModule
+
+MATCH = 3
+
+
+def copied(ids: list[int], targets: list[int]) -> list[bool]:
+    """copied[t]: the token after the latest earlier occurrence of ids[t-1 : t+2] is targets[t] (the token at t + 2).
+    Only occurrences whose next token is known at t count, i.e. those ending at t or before."""
+    after, flags = {}, []
+    for t in range(len(targets)):
+        if t >= MATCH - 1:
+            after[tuple(ids[t - MATCH + 1: t + 1])] = t + 1
+        follower = after.get(tuple(ids[t - MATCH + 2: t + 2])) if t >= MATCH - 2 else None
+        flags.append(follower is not None and ids[follower] == targets[t])
+    return flags
+
+
+def count(module, token_map, tokenizer, records: list[dict]) -> dict[str, list[int]]:
+    """Per category: [copy positions, head-0 hits there, other positions, head-0 hits there]."""
+    counts = {}
+    for record in records:
+        batch = collate([[tokenize_conversation(tokenizer, record["messages"], keep_loops=True)]],
+                        tokenizer.pad_token_id or 0)
+        with torch.no_grad():
+            out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True,
+                         greedy_paths=True)
+            logits = module.heads.project(out.head_states, module.base_model.get_output_embeddings())
+        guesses = logits[0, :-2, 0].argmax(dim=-1)
+        if token_map is not None:
+            guesses = token_map[guesses]
+        targets = out.base_logits[0].argmax(dim=-1)[1:-1].tolist()  # the base's greedy token at t + 2
+        valid = target_mask(batch["loss_mask"], batch["segment_ids"], 2)[0].tolist()
+        c = counts.setdefault(record["category"], [0, 0, 0, 0])
+        for t, (ok, copy) in enumerate(zip(valid, copied(batch["input_ids"][0].tolist(), targets))):
+            if ok:
+                c[0 if copy else 2] += 1
+                c[1 if copy else 3] += int(guesses[t]) == targets[t]
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", required=True)
+    parser.add_argument("--prompts", nargs="+", required=True, help="evaluation prompt files (FILE or FILE:N)")
+    parser.add_argument("--answers", help="the base's answers, kept as compare_heads.py keeps them")
+    parser.add_argument("--model", help="the base model (default: the default model)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    base_model, tokenizer = load_model_and_tokenizer(args.model or str(default_model.prepare()), "float32")
+    records = answered_prompts(base_model, tokenizer, args.prompts, args.answers, args.max_new_tokens)
+    spec = inspect_base_model(base_model)
+    medusa = MedusaModel.from_pretrained(base_model, args.heads)
+    module = TrainModule(base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep).eval()
+    counts = count(module, medusa.heads.token_map, tokenizer, records)
+    counts["all"] = [sum(c[i] for c in counts.values()) for i in range(4)]
+    for text, (copies, copy_hits, others, other_hits) in counts.items():
+        print(json.dumps({"heads": args.heads, "text": text, "positions": copies + others,
+                          "copy_share": round(copies / max(copies + others, 1), 3),
+                          "top1_at_copies": round(copy_hits / max(copies, 1), 3),
+                          "top1_elsewhere": round(other_hits / max(others, 1), 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
