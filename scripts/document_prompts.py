@@ -29,8 +29,8 @@ from pathlib import Path
 from medusa_spec.train.data import read_conversations, read_jsonl
 from medusa_spec.train.repetition import loop_start
 
-# A document between 400 and 2,000 characters: about 100-500 tokens, so a prompt stays under distill.sh's
-# --max-prompt-tokens 640 with its distractor and question.
+# A document between 400 and 2,000 characters: about 100-500 tokens, so that most prompts fit distill.sh's
+# --max-prompt-tokens 640 (distill skips the rest: 59 of the recipe's 250 answers from documents, which hold two).
 MIN_CHARS, MAX_CHARS = 400, 2000
 MAX_QUESTION_CHARS = 300
 MAX_TRANSLATE_CHARS = 600
