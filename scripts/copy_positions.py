@@ -1,9 +1,10 @@
 """Where heads fail on copied text: head-0 top-1 accuracy split by whether the token copies the text before it.
 
 At each answer position the heads are scored as `compare_heads.py --prompts` scores them (head 0 guesses the base's
-greedy token two positions on, teacher-forced on the base's own answers). A position counts as a copy when the last 3
-tokens known there (the root token included) occurred earlier in the conversation, prompt included, and the token
-after their latest earlier occurrence is that target: what a lookup chain after a 3-token match would propose.
+greedy token two positions on, teacher-forced on the base's own answers). A position counts as a copy when the lookup
+chain that decoding proposes beside a tree there starts with that target: the last 3 tokens known there (the root
+token included) occurred earlier in the conversation, prompt included, and the token after their latest earlier
+occurrence is the target.
 Per category: the share of copy positions, and head 0's top-1 at copy positions and elsewhere.
 
     python scripts/copy_positions.py --heads heads/smollm2-135m-instruct \\
@@ -20,23 +21,20 @@ from compare_heads import answered_prompts
 
 from medusa_spec import MedusaModel, default_model
 from medusa_spec.base import inspect_base_model
+from medusa_spec.lookup import MIN_NGRAM_WITH_TREE, NgramIndex, lookup_chain
 from medusa_spec.train.data import collate, tokenize_conversation
 from medusa_spec.train.load import load_model_and_tokenizer
 from medusa_spec.train.loss import target_mask
 from medusa_spec.train.module import TrainModule
 
-MATCH = 3
-
 
 def copied(ids: list[int], targets: list[int]) -> list[bool]:
-    """copied[t]: the token after the latest earlier occurrence of ids[t-1 : t+2] is targets[t] (the token at t + 2).
-    Only occurrences whose next token is known at t count, i.e. those ending at t or before."""
-    after, flags = {}, []
-    for t in range(len(targets)):
-        if t >= MATCH - 1:
-            after[tuple(ids[t - MATCH + 1: t + 1])] = t + 1
-        follower = after.get(tuple(ids[t - MATCH + 2: t + 2])) if t >= MATCH - 2 else None
-        flags.append(follower is not None and ids[follower] == targets[t])
+    """copied[t]: the lookup chain that decoding beside a tree proposes at t (lookup.lookup_chain after a match of
+    MIN_NGRAM_WITH_TREE = 3 tokens, in the text ids[: t + 2] known there) starts with targets[t], the token at t + 2."""
+    known, flags = NgramIndex(ids[:1]), []
+    for t, target in enumerate(targets):
+        known.extend([ids[t + 1]])
+        flags.append(lookup_chain(known, [], 1, MIN_NGRAM_WITH_TREE) == [target])
     return flags
 
 
