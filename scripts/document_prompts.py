@@ -26,7 +26,7 @@ import json
 import random
 from pathlib import Path
 
-from medusa_spec.train.data import read_conversations, read_jsonl
+from medusa_spec.train.data import read_conversations, read_jsonl, read_prompts
 from medusa_spec.train.repetition import loop_start
 
 # A document between 400 and 2,000 characters: about 100-500 tokens, so that most prompts fit distill.sh's
@@ -107,15 +107,15 @@ def document_tasks(docs: list[tuple[str, str]], count: int, rng: random.Random) 
 
 def translation_tasks(path: Path) -> list[dict]:
     """"Translate <language> to English: <text>" for each distinct non-English first turn of an OpenAssistant file
-    ({"input": "### Human: ... ### Assistant: ...", "lang": ...}; several transcripts open with the same turn)."""
+    ({"input": "### Human: ... ### Assistant: ...", "lang": ...}, read as distill reads it; several transcripts open
+    with the same turn)."""
+    records = read_jsonl(path)
+    if not all(isinstance(r, dict) and "input" in r and "lang" in r for _, r in records):
+        raise SystemExit(f"{path}: expected OpenAssistant records with `input` and `lang` fields")
     tasks, seen = [], set()
-    for number, record in read_jsonl(path):
-        if not isinstance(record, dict) or "input" not in record or "lang" not in record:
-            raise SystemExit(f"{path}:{number}: expected OpenAssistant records with `input` and `lang` fields")
-        language = LANGUAGES.get(record["lang"])
-        parts = record["input"].split("### Human:")
-        text = parts[1 if len(parts) > 1 else 0].split("### Assistant:")[0].strip()
-        if language and text and len(text) <= MAX_TRANSLATE_CHARS and text not in seen:
+    for (_, record), prompt in zip(records, read_prompts(path), strict=True):
+        language, text = LANGUAGES.get(record["lang"]), prompt.turns[0]
+        if language and len(text) <= MAX_TRANSLATE_CHARS and text not in seen:
             seen.add(text)
             tasks.append({"prompt": f"Translate {language} to English: {text}", "category": "translation"})
     return tasks
