@@ -7,8 +7,9 @@ extraction, against 0.48-0.54 on code and math), and the training pools in share
 an answer the model copies and rephrases what the prompt holds, which a head must learn to read from the hidden state.
 
 The documents are the base model's own first answers in a distilled data folder (no text from outside the training
-data, no evaluation set): each is used once, and one that ends in a loop is skipped. An answer from given documents
-is asked as retrieval-augmented prompts are: two documents in random order (the answer to the question, and another
+data, no evaluation set): each is used once, and one that ends in a loop is skipped (one that distill cut off at a
+loop or at its token limit stays, and may end mid-sentence). An answer from given documents is asked as
+retrieval-augmented prompts are: two documents in random order (the answer to the question, and another
 conversation's answer as a distractor), then the question. Translation prompts are the distinct non-English first
 turns of an OpenAssistant prompt file (--translate), asked "Translate <language> to English: ...".
 
@@ -16,14 +17,16 @@ The output is a prompt file for `medusa-spec distill --prompts` ({"prompt", "cat
 file name and line number, so an existing output is never rewritten (the same data gives the same file: --seed).
 
     python scripts/document_prompts.py training/data/smollm2-135m-instruct OUT.jsonl --tasks 1000 \\
-        --translate ../shared/data/train/oasst1_val_prompts_qlora_oa_questions.jsonl
+        --translate shared/data/train/oasst1_val_prompts_qlora_oa_questions.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+from collections import Counter
 from pathlib import Path
 
 from medusa_spec.train.data import read_conversations, read_jsonl, read_prompts
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("data", help="a distilled data folder (or JSONL file): its answers are the documents")
     parser.add_argument("output", help="the prompt file to write (JSONL); never rewritten once it exists")
-    parser.add_argument("--tasks", type=int, default=2000, help="tasks over documents (default 2000)")
+    parser.add_argument("--tasks", type=int, default=1000, help="tasks over documents (default 1000)")
     parser.add_argument("--translate", help="an OpenAssistant prompt file whose non-English first turns become "
                                             "translation tasks")
     parser.add_argument("--seed", type=int, default=0)
@@ -140,11 +143,11 @@ def main(argv: list[str] | None = None) -> None:
         tasks += translation_tasks(Path(args.translate))
     rng.shuffle(tasks)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tasks), encoding="utf-8")
-    counts = {}
-    for t in tasks:
-        counts[t["category"]] = counts.get(t["category"], 0) + 1
-    print(json.dumps({"output": str(output), "prompts": len(tasks), **counts}))
+    # Whole or not at all: a partial file would stand for good (it exists, so it is never rewritten).
+    partial = output.with_name(output.name + ".partial")
+    partial.write_text("".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tasks), encoding="utf-8")
+    os.replace(partial, output)
+    print(json.dumps({"output": str(output), "prompts": len(tasks), **Counter(t["category"] for t in tasks)}))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 # a run stopped at any time keeps answers for nearly every prompt written. Rerun to resume:
 # conversations already stored are skipped.
 # Usage: bash distill.sh [OUT] [SELF_PROMPTS] [EXTRA distill flags, e.g. --device cuda --batch-size 256]
+# Environment: DOC_TASKS (default 1000, read once, when the document pool is written), STEP (default 1000).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-$HERE/../data/smollm2-135m-instruct}
