@@ -38,7 +38,7 @@ def copied(ids: list[int], targets: list[int]) -> list[bool]:
     return flags
 
 
-def count(module, token_map, tokenizer, records: list[dict]) -> dict[str, list[int]]:
+def count(module, tokenizer, records: list[dict]) -> dict[str, list[int]]:
     """Per category: [copy positions, head-0 hits there, other positions, head-0 hits there]."""
     counts = {}
     for record in records:
@@ -49,15 +49,16 @@ def count(module, token_map, tokenizer, records: list[dict]) -> dict[str, list[i
                          greedy_paths=True)
             logits = module.heads.project(out.head_states, module.base_model.get_output_embeddings())
         guesses = logits[0, :-2, 0].argmax(dim=-1)
-        if token_map is not None:
-            guesses = token_map[guesses]
+        if module.heads.token_map is not None:
+            guesses = module.heads.token_map[guesses]
+        guesses = guesses.tolist()
         targets = out.base_logits[0].argmax(dim=-1)[1:-1].tolist()  # the base's greedy token at t + 2
         valid = target_mask(batch["loss_mask"], batch["segment_ids"], 2)[0].tolist()
         c = counts.setdefault(record["category"], [0, 0, 0, 0])
         for t, (ok, copy) in enumerate(zip(valid, copied(batch["input_ids"][0].tolist(), targets))):
             if ok:
                 c[0 if copy else 2] += 1
-                c[1 if copy else 3] += int(guesses[t]) == targets[t]
+                c[1 if copy else 3] += guesses[t] == targets[t]
     return counts
 
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = inspect_base_model(base_model)
     medusa = MedusaModel.from_pretrained(base_model, args.heads)
     module = TrainModule(base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep).eval()
-    counts = count(module, medusa.heads.token_map, tokenizer, records)
+    counts = count(module, tokenizer, records)
     counts["all"] = [sum(c[i] for c in counts.values()) for i in range(4)]
     for text, (copies, copy_hits, others, other_hits) in counts.items():
         print(json.dumps({"heads": args.heads, "text": text, "positions": copies + others,

@@ -104,13 +104,13 @@ def test_copy_positions_split_the_same_positions_and_hits_as_compare_heads(base_
     medusa = MedusaModel.from_pretrained(base_model, adapter)
     spec = inspect_base_model(base_model)
     module = TrainModule(base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep).eval()
-    counts = copy_positions.count(module, medusa.heads.token_map, tokenizer, records)
+    counts = copy_positions.count(module, tokenizer, records)
     # Counting never repeats 3 words in a row within 24 words, so no answer copies; an answer that repeats a phrase
     # does where the base, counting on, agrees with the repeat.
     assert counts["early"][0] == counts["late"][0] == 0
     repeat = {"category": "repeat",
               "messages": [ask(1), {"role": "assistant", "content": " ".join(["w2 w3 w4 w5"] * 3)}]}
-    assert copy_positions.count(module, medusa.heads.token_map, tokenizer, [repeat])["repeat"][0] > 0
+    assert copy_positions.count(module, tokenizer, [repeat])["repeat"][0] > 0
     examples = [tokenize_conversation(tokenizer, r["messages"], keep_loops=True) for r in records]
     longest = max(len(e.input_ids) for e in examples)
     for line, category, chosen in zip(lines, ("early", "late"), (examples[:2], examples[2:])):
