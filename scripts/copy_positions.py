@@ -23,8 +23,8 @@ from medusa_spec import MedusaModel, default_model
 from medusa_spec.base import inspect_base_model
 from medusa_spec.lookup import MIN_NGRAM_WITH_TREE, NgramIndex, lookup_chain
 from medusa_spec.train.data import collate, tokenize_conversation
+from medusa_spec.train.evaluate import head_hits
 from medusa_spec.train.load import load_model_and_tokenizer
-from medusa_spec.train.loss import target_mask
 from medusa_spec.train.module import TrainModule
 
 
@@ -48,17 +48,15 @@ def count(module, tokenizer, records: list[dict]) -> dict[str, list[int]]:
             out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True,
                          greedy_paths=True)
             logits = module.heads.project(out.head_states, module.base_model.get_output_embeddings())
-        guesses = logits[0, :-2, 0].argmax(dim=-1)
-        if module.heads.token_map is not None:
-            guesses = module.heads.token_map[guesses]
-        guesses = guesses.tolist()
+        hit, valid = head_hits(logits, out.base_logits, batch["loss_mask"], batch["segment_ids"], 0, 1,
+                               module.heads.token_map)
+        hits, valid = hit[0, :, 0].tolist(), valid[0].tolist()
         targets = out.base_logits[0].argmax(dim=-1)[1:-1].tolist()  # the base's greedy token at t + 2
-        valid = target_mask(batch["loss_mask"], batch["segment_ids"], 2)[0].tolist()
         c = counts.setdefault(record["category"], [0, 0, 0, 0])
-        for t, (ok, copy) in enumerate(zip(valid, copied(batch["input_ids"][0].tolist(), targets))):
+        for ok, hit, copy in zip(valid, hits, copied(batch["input_ids"][0].tolist(), targets)):
             if ok:
                 c[0 if copy else 2] += 1
-                c[1 if copy else 3] += guesses[t] == targets[t]
+                c[1 if copy else 3] += hit
     return counts
 
 
