@@ -82,6 +82,19 @@ def test_no_room_and_empty_requests_come_back_empty():
     assert len(got["tight"]) == 14 - 10
 
 
+def test_a_request_asked_on_seeing_an_empty_answer_is_answered():
+    """The caller may extend the queue on any answer, an empty one too (a request with no room); with no row busy
+    then, the engine still serves what it was asked, in a free row."""
+    model = tiny_model("llama")
+    requests = deque([Request("empty", [])])
+    got = {}
+    for key, tokens in decode_stream(model, requests, {EOS}, rows=2, max_new_tokens=4, capacity=16):
+        got[key] = tokens
+        if key == "empty":
+            requests.append(Request("asked then", [5, 6, 7]))
+    assert got == {"empty": [], "asked then": reference(model, [5, 6, 7], 4)}
+
+
 def test_each_row_draws_as_its_requests_sampling_says():
     """Per-request sampling (the decoding loop's rule): a tiny nucleus or top-k 1 keeps only the argmax, so those
     rows equal greedy ones; a row sampling the whole distribution beside them samples (differs from greedy for some
@@ -175,6 +188,27 @@ def test_a_single_file_output_stays_one_jsonl(tmp_path):
     file = tmp_path / "out.jsonl"
     ConversationStore(file, chunk_size=2).append([record(i) for i in range(5)])
     assert [json.loads(line)["id"] for line in file.read_text().splitlines()] == [f"p{i}" for i in range(5)]
+
+
+def test_reading_while_a_line_is_being_written_leaves_the_file_alone(tmp_path):
+    """A reader (train --data, a token count) may open the folder while distill writes: a last line not yet complete
+    is passed over, not cut off on disk, so the writer's rest of the line lands whole."""
+    folder = tmp_path / "data"
+    store = ConversationStore(folder)
+    store.append([record(0)])
+    line = json.dumps(record(1)) + "\n"
+    with open(folder / "open.jsonl", "a", encoding="utf-8") as writer:
+        writer.write(line[:20])
+        writer.flush()
+        assert [r["id"] for r in read_records(folder)] == ["p0"]
+        writer.write(line[20:])
+    assert [r["id"] for r in read_records(folder)] == ["p0", "p1"]
+    # Its writer, started after a kill left half a line, cuts it off and appends whole lines.
+    with open(folder / "open.jsonl", "a", encoding="utf-8") as writer:
+        writer.write(json.dumps(record(2))[:20])
+    store = ConversationStore(folder)
+    store.append([record(3)])
+    assert [r["id"] for r in read_records(folder)] == ["p0", "p1", "p3"]
 
 
 def test_store_reads_back_text_with_unicode_line_separators(tmp_path):

@@ -8,6 +8,7 @@ self-distilled answers must then reach high accuracy and multi-token steps.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import socket
@@ -38,6 +39,7 @@ from medusa_spec.train.data import (
     make_rows,
     parse_prompt_spec,
     read_conversations,
+    read_prompt_files,
     read_prompts,
     require_chat_template,
     tokenize_conversation,
@@ -461,6 +463,72 @@ def test_a_self_prompt_with_a_unicode_line_separator_is_read_back(base_dir, tmp_
     assert read_records(folder)[0]["messages"][0]["content"] == "count from w1\u2028now"
 
 
+def test_distill_refuses_two_prompt_files_of_one_name_and_bad_settings(base_dir, tmp_path):
+    """Prompt ids are FILE_NAME:LINE: two files of one name would store one's answers under the other's ids, and a
+    resumed run would skip the second file as done. Settings out of range fail as they are read, naming the flag."""
+    for folder, text in (("a", "count from w1"), ("b", "count from w2")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "pool.jsonl").write_text(json.dumps({"prompt": text}) + "\n")
+    prompts = read_prompt_files([str(tmp_path / "a" / "pool.jsonl"), str(tmp_path / "b" / "pool.jsonl")])
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(ValueError, match="two prompts have the id 'pool.jsonl:1'.*give each file its own name"):
+        distill(base_model, tokenizer, prompts, distill_settings(base_dir, output, max_new_tokens=4), progress=False)
+    assert not output.exists()
+    # One file given twice is the same prompts: answered once.
+    stats = distill(base_model, tokenizer, prompts[:1] * 2, distill_settings(base_dir, output, max_new_tokens=4),
+                    progress=False)
+    assert stats["written"] == 1 and len(read_records(output)) == 1
+    for setting, match in ((dict(batch_size=0), "--batch-size must be >= 1"),
+                           (dict(max_new_tokens=0), "--max-new-tokens must be >= 1"),
+                           (dict(follow_ups=1.5), "--follow-ups is a share"),
+                           (dict(self_prompts=-1), "--self-prompts must be >= 0")):
+        with pytest.raises(ValueError, match=match):
+            distill_settings(base_dir, output, **setting)
+
+
+def test_distill_stores_finished_conversations_when_stopped_and_leaves_the_model_in_its_mode(base_dir, tmp_path,
+                                                                                            monkeypatch):
+    """A Ctrl-C in the middle keeps the conversations already answered (fewer than a write batch), and the caller's
+    model comes back in the mode it was in."""
+    distill_module = importlib.import_module("medusa_spec.train.distill")  # the package exports the function too
+
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    base_model.train()
+    decoded = []
+    real_decode = distill_module._decode
+
+    def stop_at_the_third(*args):
+        if len(decoded) == 2:
+            raise KeyboardInterrupt
+        decoded.append(real_decode(*args))
+        return decoded[-1]
+
+    monkeypatch.setattr(distill_module, "_decode", stop_at_the_third)
+    output = tmp_path / "out.jsonl"
+    prompts = [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(4)]
+    with pytest.raises(KeyboardInterrupt):
+        distill(base_model, tokenizer, prompts, distill_settings(base_dir, output, batch_size=1, max_new_tokens=4),
+                progress=False)
+    assert len(read_records(output)) == 2
+    assert base_model.training and all(m.training for m in base_model.modules())
+
+
+def test_self_prompts_resume_after_a_kill_cut_a_line(base_dir, tmp_path):
+    """A kill in the middle of writing self_prompts.jsonl leaves half a line: the rerun drops it and goes on writing
+    whole lines, instead of failing to read the file."""
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / SELF_PROMPTS).write_text(json.dumps({"prompt": "count from w1"}) + "\n" + '{"prompt": "count fr',
+                                       encoding="utf-8")
+    cfg = distill_settings(base_dir, folder, batch_size=2, max_new_tokens=4, self_prompts=2, max_prompt_tokens=400)
+    stats = distill(base_model, tokenizer, [], cfg, progress=False)
+    lines = (folder / SELF_PROMPTS).read_text(encoding="utf-8").split("\n")
+    assert lines[-1] == "" and len(lines) == 3 and json.loads(lines[0]) == {"prompt": "count from w1"}
+    assert json.loads(lines[1])["prompt"] != "count fr" and stats["written"] == 2
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -838,6 +906,43 @@ def test_distill_through_a_server_matches_local_distillation_and_resumes(base_di
     assert (second["skipped_finished"], second["written"]) == (3, 2)
     expected = {r["id"]: r["messages"] for r in map(json.loads, local.read_text().splitlines())}
     assert {r["id"]: r["messages"] for r in read_records(remote)} == expected
+
+
+def test_a_server_refusal_for_context_length_skips_the_prompt_and_any_other_stops_the_run(tmp_path):
+    """HTTP 400 is a prompt past the server's context when its message says so (vLLM, SGLang, llama.cpp's server):
+    the conversation is skipped as too long, as a local one over --max-prompt-tokens. Any other 400 (a setting the
+    server rejects) stops the run with the server's message, instead of skipping every prompt and storing nothing."""
+    import http.server
+    import threading
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        message = ""
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"error": {"message": Refusing.message}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = DistillConfig(model=None, prompts=[], output=str(tmp_path / "out"), server_model="m",
+                            server=f"http://127.0.0.1:{server.server_address[1]}")
+        Refusing.message = "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens."
+        stats = distill_via_server([Prompt("p", ("hi",))], cfg, progress=False)
+        assert (stats["skipped_too_long"], stats["written"]) == (1, 0)
+        Refusing.message = "Unrecognized request argument supplied: top_k"
+        with pytest.raises(ServerError, match="HTTP 400.*top_k"):
+            distill_via_server([Prompt("p", ("hi",))], cfg, progress=False)
+    finally:
+        server.shutdown()
 
 
 def test_distill_server_errors_name_the_fix(tmp_path):

@@ -144,6 +144,19 @@ def read_prompts(path: str | Path, prompt_field: str | None = None, limit: int |
     return prompts
 
 
+def unique_prompts(prompts: list[Prompt]) -> list[Prompt]:
+    """`prompts` with each id once. An id names the stored conversation (FILE_NAME:LINE, so a run resumes from any
+    folder): two different prompts under one id, from two --prompts files of the same name, would store one's
+    answers as the other's and skip the second on resume, so they are refused."""
+    first: dict[str, Prompt] = {}
+    for p in prompts:
+        other = first.setdefault(p.id, p)
+        if other.turns != p.turns:
+            raise ValueError(f"two prompts have the id {p.id!r}: prompt ids are FILE_NAME:LINE, and two --prompts "
+                             f"files are named {p.id.split(':')[0]!r}; give each file its own name")
+    return list(first.values())
+
+
 def read_prompt_files(specs: list[str], prompt_field: str | None = None) -> list[Prompt]:
     """The prompts of --prompts FILE[:N] ... (bench's and distill's), file after file."""
     prompts = []

@@ -24,10 +24,11 @@ from tqdm.auto import tqdm
 
 from ..accept import Sampling
 from ..inputs import resolve_sampling
-from .data import Prompt, read_prompts, render
+from ..loop import eval_mode
+from .data import Prompt, read_prompts, render, unique_prompts
 from .engine import Request, decode_stream
 from .options import option, shared
-from .store import ConversationStore, is_folder, read_records
+from .store import ConversationStore, complete_lines, is_folder, read_records
 
 SELF_PROMPTS = "self_prompts.jsonl"
 _SENTINEL = "\x00medusa-spec-user-turn\x00"
@@ -70,6 +71,17 @@ class DistillConfig:
     server_model: str | None = option(None, "the model name the server serves (with --server; default: its first)")
     concurrency: int = option(16, "requests in flight at once (with --server)")
     seed: int = shared(0)
+
+    def __post_init__(self):
+        for name in ("batch_size", "max_new_tokens", "max_prompt_tokens", "chunk_size", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.self_prompts < 0:
+            raise ValueError(f"--self-prompts must be >= 0 (0: none), got {self.self_prompts}")
+        if not 0 <= self.follow_ups <= 1:
+            raise ValueError(f"--follow-ups is a share of the conversations, in [0, 1]; got {self.follow_ups}")
+        if self.prompt_temperature < 0:
+            raise ValueError(f"--prompt-temperature must be >= 0 (0: greedy), got {self.prompt_temperature}")
 
 
 def finished_ids(output: Path) -> set[str]:
@@ -136,8 +148,16 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
         raise ValueError("--self-prompts needs a folder --output (where self_prompts.jsonl is kept)")
     path = Path(cfg.output) / SELF_PROMPTS
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = path.read_text(encoding="utf-8").split("\n") if path.is_file() else []  # not splitlines: see store.py
-    written = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    # As the file's writer: a last line a kill cut short is cut off (the next prompt starts a line). Not splitlines:
+    # see store.py.
+    lines = complete_lines(path, cut=True).decode("utf-8").split("\n") if path.is_file() else []
+    written = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            written += [json.loads(line)["prompt"]] if line.strip() else []
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{number}: not a model-written prompt ({{\"prompt\": ...}}); it is distill's own "
+                             f"file: move it away to write the prompts anew") from None
     seen = {_normal(t) for p in known for t in p.turns} | {_normal(t) for t in written}
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     opening = _ids(tokenizer, user_turn_opening(tokenizer, system))
@@ -163,6 +183,7 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
                     seen.add(_normal(text))
                     written.append(text)
                     out.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
+                    out.flush()  # whole lines on disk as they come: a kill loses at most the prompt being written
                     bar.update(1)
     bar.close()
     return path
@@ -176,10 +197,15 @@ def _wants_follow_up(pid: str, share: float) -> bool:
 def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, progress: bool = True) -> dict:
     """Answer every prompt not yet in cfg.output and store the conversations; returns counts.
     (cfg.model and cfg.prompts only say where `base_model` and `prompts` came from.)"""
-    base_model.eval()
+    with eval_mode(base_model):
+        return _distill(base_model, tokenizer, prompts, cfg, progress)
+
+
+def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, progress: bool) -> dict:
+    prompts = unique_prompts(prompts)
     if cfg.self_prompts:
         path = write_self_prompts(base_model, tokenizer, cfg, prompts, progress)
-        prompts = prompts + read_prompts(path)
+        prompts = unique_prompts(prompts + read_prompts(path))
     store = ConversationStore(cfg.output, cfg.chunk_size)
     # The pools overlap (the same question in two collections): the first copy is answered.
     seen, unique = set(), []
@@ -221,44 +247,47 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
     start = time.perf_counter()
     bar = tqdm(total=len(requests), unit="conv", disable=not progress, desc=f"distill -> {Path(cfg.output).name}")
     pending = []
-    for key, tokens in decode_stream(base_model, requests, eos, rows=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
-                                     capacity=cfg.max_prompt_tokens + cfg.max_new_tokens,
-                                     pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed,
-                                     stop_loops=not cfg.keep_loops):
-        text = _decode(tokenizer, tokens, eos)
-        if isinstance(key, tuple):  # a model-written follow-up question: ask it if it is usable
-            pid = key[0]
-            if tokens and tokens[-1] in eos and len(text) >= 8:
-                turns[pid].append(text)
-                request = ask(pid)
+    try:
+        for key, tokens in decode_stream(base_model, requests, eos, rows=cfg.batch_size,
+                                         max_new_tokens=cfg.max_new_tokens,
+                                         capacity=cfg.max_prompt_tokens + cfg.max_new_tokens,
+                                         pad_token_id=tokenizer.pad_token_id or 0, seed=cfg.seed,
+                                         stop_loops=not cfg.keep_loops):
+            text = _decode(tokenizer, tokens, eos)
+            if isinstance(key, tuple):  # a model-written follow-up question: ask it if it is usable
+                pid = key[0]
+                if tokens and tokens[-1] in eos and len(text) >= 8:
+                    turns[pid].append(text)
+                    request = ask(pid)
+                    if request is not None:
+                        stats["follow_ups"] += 1
+                        requests.appendleft(request)
+                        continue
+                pending.append({"id": pid, "messages": conversations.pop(pid)})
+            else:
+                pid = key
+                stats["new_tokens"] += len(tokens)
+                conversations[pid].append({"role": "assistant", "content": text})
+                request = ask(pid) if turns[pid] else None
                 if request is not None:
-                    stats["follow_ups"] += 1
-                    requests.appendleft(request)
+                    requests.appendleft(request)  # the next turn now, so the conversation closes soon
                     continue
-            pending.append({"id": pid, "messages": conversations.pop(pid)})
-        else:
-            pid = key
-            stats["new_tokens"] += len(tokens)
-            conversations[pid].append({"role": "assistant", "content": text})
-            request = ask(pid) if turns[pid] else None
-            if request is not None:
-                requests.appendleft(request)  # the next turn now, so the conversation closes soon
-                continue
-            single = len(conversations[pid]) == len(system) + 2
-            if single and cfg.follow_ups and _wants_follow_up(pid, cfg.follow_ups):
-                opening = _ids(tokenizer, user_turn_opening(tokenizer, conversations[pid]))
-                if len(opening) + 160 <= cfg.max_prompt_tokens:
-                    requests.appendleft(Request((pid, "ask"), opening, asks, 160))
-                    continue
-            pending.append({"id": pid, "messages": conversations.pop(pid)})
-        if len(pending) >= 16:
-            store.append(pending)
-            stats["written"] += len(pending)
-            bar.update(len(pending))
-            pending = []
-        bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
-    store.append(pending)
-    stats["written"] += len(pending)
+                single = len(conversations[pid]) == len(system) + 2
+                if single and cfg.follow_ups and _wants_follow_up(pid, cfg.follow_ups):
+                    opening = _ids(tokenizer, user_turn_opening(tokenizer, conversations[pid]))
+                    if len(opening) + 160 <= cfg.max_prompt_tokens:
+                        requests.appendleft(Request((pid, "ask"), opening, asks, 160))
+                        continue
+                pending.append({"id": pid, "messages": conversations.pop(pid)})
+            if len(pending) >= 16:
+                store.append(pending)
+                stats["written"] += len(pending)
+                bar.update(len(pending))
+                pending = []
+            bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
+    finally:  # finished conversations are kept whatever ends the run (a Ctrl-C included)
+        store.append(pending)
+        stats["written"] += len(pending)
     bar.close()
     stats["seconds"] = round(time.perf_counter() - start, 1)
     stats["tokens_per_second"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)

@@ -190,6 +190,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             for item in yield_later:
                 yield item
             yield_later.clear()
+            for row in range(rows):  # free rows take what the caller asked since (on seeing an empty answer)
+                if requests and active[row] is None:
+                    fill(row)
             # Rows whose first token already ends them (eos, or max_new_tokens == 1).
             for row in range(rows):
                 if active[row] is not None:
@@ -199,8 +202,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                         yield key, tokens
                         fill(row)  # only its prompt was written: held[row] is right
             if not any(a is not None for a in active):
-                for item in yield_later:
-                    yield item
+                if yield_later:
+                    continue  # yielded at the top of the loop, where the caller may still ask for more
                 return
             busy = torch.tensor([a is not None for a in active], device=device)
             # A free row decodes a pad token at column 0 of its own (unused) row: harmless, and it keeps

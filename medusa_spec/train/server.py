@@ -9,6 +9,7 @@ the same way (store.py) and resumable the same way: conversations already stored
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..inputs import resolve_sampling
-from .data import Prompt
+from .data import Prompt, unique_prompts
 from .store import ConversationStore
 
 
@@ -40,6 +41,11 @@ def _call(url: str, payload: dict | None, timeout: float) -> dict:
                           f"(e.g. http://127.0.0.1:8000)") from None
     except json.JSONDecodeError:
         raise ServerError(f"{url} did not answer JSON; is --server an OpenAI-compatible server?") from None
+
+
+def _context_too_short(error: str) -> bool:
+    """Whether a server's error says the prompt does not fit its context."""
+    return "HTTP 400" in error and re.search(r"context|too long|too many tokens", error, re.IGNORECASE) is not None
 
 
 def served_model(base_url: str, timeout: float = 30) -> str:
@@ -69,9 +75,10 @@ def _converse(base_url: str, model: str, prompt: Prompt, cfg, timeout: float) ->
         try:
             reply = _call(f"{base_url}/v1/chat/completions", payload, timeout)
         except ServerError as err:
-            # A server refuses a prompt past its context length with HTTP 400: like a local
-            # prompt over --max-prompt-tokens, the conversation ends before that turn.
-            if "HTTP 400" not in str(err):
+            # A server refuses a prompt past its context length with HTTP 400 and says so (vLLM, SGLang, llama.cpp's
+            # server: "... context length ..." / "... context size ..."): like a local prompt over --max-prompt-tokens,
+            # the conversation ends before that turn. Any other refusal (a bad setting) stops the run.
+            if not _context_too_short(str(err)):
                 raise
             break
         try:
@@ -93,6 +100,7 @@ def distill_via_server(prompts: list[Prompt], cfg, progress: bool = True, timeou
     base_url = cfg.server.rstrip("/").removesuffix("/v1")
     model = cfg.server_model or served_model(base_url)
     store = ConversationStore(cfg.output, cfg.chunk_size)
+    prompts = unique_prompts(prompts)
     todo = [p for p in prompts if p.id not in store.done]
     stats = {"prompts": len(prompts), "skipped_finished": len(prompts) - len(todo), "written": 0,
              "skipped_too_long": 0, "new_tokens": 0}

@@ -22,11 +22,13 @@ def _parts(folder: Path) -> list[Path]:
     return sorted(folder.glob("part-*.jsonl.gz"))
 
 
-def _complete_lines(file: Path) -> bytes:
-    """The file's bytes through its last newline; a final line cut short by a kill is cut off on disk."""
+def complete_lines(file: Path, cut: bool = False) -> bytes:
+    """The file's bytes through its last newline. cut=True (its writer only) also cuts a final line left short by a
+    kill off the file on disk, so the next append starts a line; a reader must not, since the writer may be halfway
+    through writing that line."""
     data = file.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
+    if cut and len(complete) != len(data):
         with open(file, "r+b") as f:
             f.truncate(len(complete))
     return complete
@@ -54,10 +56,11 @@ def is_folder(path: str | Path) -> bool:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """Every record of a file or folder, in the order written (a cut-short last line is dropped)."""
+    """Every record of a file or folder, in the order written (a last line not yet complete, cut short by a kill or
+    still being written, is passed over and left as it is)."""
     path = Path(path)
     if not is_folder(path):
-        return _records(_complete_lines(path), path) if path.is_file() else []
+        return _records(complete_lines(path), path) if path.is_file() else []
     if not path.is_dir():
         return []
     records = [r for part in _parts(path) for r in _records(gzip.decompress(part.read_bytes()), part)]
@@ -65,7 +68,7 @@ def read_records(path: str | Path) -> list[dict]:
     if open_file.is_file():
         seen = {r["id"] for r in records}
         # A kill between writing a part and removing open.jsonl leaves its records twice.
-        records += [r for r in _records(_complete_lines(open_file), open_file) if r["id"] not in seen]
+        records += [r for r in _records(complete_lines(open_file), open_file) if r["id"] not in seen]
     return records
 
 
@@ -80,16 +83,18 @@ class ConversationStore:
             self._seal_if_duplicate()
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.done = {r["id"] for r in read_records(self.path)}
         self._file = self.path / OPEN if self.folder else self.path
-        self._open_count = len(_records(_complete_lines(self._file), self._file)) if self._file.is_file() else 0
+        self._open_count = 0
+        if self._file.is_file():  # as its writer: a line a kill cut short goes, so the next append starts a line
+            self._open_count = len(_records(complete_lines(self._file, cut=True), self._file))
+        self.done = {r["id"] for r in read_records(self.path)}
 
     def _seal_if_duplicate(self) -> None:
         """After a kill between sealing a part and removing open.jsonl, the open file is a copy."""
         open_file, parts = self.path / OPEN, _parts(self.path)
         if open_file.is_file() and parts:
             last = {r["id"] for r in _records(gzip.decompress(parts[-1].read_bytes()), parts[-1])}
-            opened = {r["id"] for r in _records(_complete_lines(open_file), open_file)}
+            opened = {r["id"] for r in _records(complete_lines(open_file), open_file)}
             if opened and opened <= last:
                 open_file.unlink()
 
@@ -116,7 +121,7 @@ class ConversationStore:
         part = self.path / f"part-{number:05d}.jsonl.gz"
         tmp = part.with_name(f".{part.name}.tmp")
         # mtime=0: the same records always give the same bytes (stable in a repository).
-        tmp.write_bytes(gzip.compress(_complete_lines(open_file), compresslevel=9, mtime=0))
+        tmp.write_bytes(gzip.compress(complete_lines(open_file), compresslevel=9, mtime=0))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, part)
