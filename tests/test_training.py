@@ -311,6 +311,28 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     assert marked == ["w4", "w5", "<|end|>", "w10", "<|end|>"]
 
 
+def test_an_answer_distill_stopped_trains_no_end_of_turn_marker():
+    """An answer marked cut (max_new_tokens reached, a loop cut off) did not end there: the end-of-turn marker the
+    template puts after it is not the model's token, so it stays out of the loss; an answer that ended keeps it."""
+    tokenizer = make_tokenizer()
+    messages = [ask(3), {"role": "assistant", "content": "w4 w5", "cut": True}, ask(9),
+                {"role": "assistant", "content": "w10"}, ask(20), {"role": "assistant", "content": "w21", "cut": True}]
+    example = tokenize_conversation(tokenizer, messages)
+    marked = [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m]
+    assert marked == ["w4", "w5", "w10", "<|end|>", "w21"]
+
+
+def test_distill_marks_the_answers_it_stopped(base_dir, tmp_path):
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    output = tmp_path / "out.jsonl"
+    # The model counts ANSWER words and ends its turn: a budget below that stops it, one above lets it end.
+    for budget, cut in ((ANSWER - 4, True), (ANSWER + 4, False)):
+        distill(base_model, tokenizer, [Prompt(f"b{budget}", ("count from w1",))],
+                distill_settings(base_dir, output, max_new_tokens=budget), progress=False)
+        reply = read_records(output)[-1]["messages"][1]
+        assert reply.get("cut", False) is cut and reply["content"] == counting(1, min(budget, ANSWER)), reply
+
+
 def test_a_loop_is_cut_from_the_last_answer_and_left_out_of_the_loss_before_another_turn():
     tokenizer = make_tokenizer()
     loop = {"role": "assistant", "content": counting(0, 80)}  # the counting words are cyclic: a loop of period 24

@@ -211,7 +211,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], keep_loops: bool = Fa
     """Tokens of the rendered conversation; loss_mask marks each assistant turn (its end-of-turn
     marker included, so the heads also learn where an answer stops). An answer that ends in a loop
     (repetition.loop_start) has the loop left out of the loss, and cut off when it is the last turn, unless
-    keep_loops.
+    keep_loops. An answer marked `"cut": true` (distill stopped it: max_new_tokens reached, or a loop cut off) did
+    not end there, so its end-of-turn marker, which the model never wrote, is left out of the loss.
 
     Assistant spans are found in characters by rendering growing prefixes, then mapped to tokens
     through offsets: robust to tokens merging across a boundary, and needs no `{% generation %}`
@@ -228,7 +229,12 @@ def tokenize_conversation(tokenizer, messages: list[dict], keep_loops: bool = Fa
             raise ValueError("the chat template renders an earlier turn differently once later turns follow, so "
                              "assistant tokens cannot be located; train on single-turn conversations or use another "
                              "template")
-        spans.append((len(before), len(through)))
+        end = len(through)
+        if message.get("cut"):
+            content_end = text.find(message["content"], len(before)) + len(message["content"])
+            if len(before) < content_end <= end:  # found where the template put it: the marker follows
+                end = content_end
+        spans.append((len(before), end))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
     loss_mask = [any(start <= begin < end for start, end in spans) for begin, _ in offsets]

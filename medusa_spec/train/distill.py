@@ -267,7 +267,10 @@ def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, p
             else:
                 pid = key
                 stats["new_tokens"] += len(tokens)
-                conversations[pid].append({"role": "assistant", "content": text})
+                # Stopped before its end of turn (max_new_tokens, a loop cut off): marked, so training leaves out
+                # the end-of-turn marker the chat template puts after it.
+                cut = {} if tokens and tokens[-1] in eos else {"cut": True}
+                conversations[pid].append({"role": "assistant", "content": text, **cut})
                 request = ask(pid) if turns[pid] else None
                 if request is not None:
                     requests.appendleft(request)  # the next turn now, so the conversation closes soon

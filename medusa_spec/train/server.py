@@ -65,7 +65,8 @@ def _converse(base_url: str, model: str, prompt: Prompt, cfg, timeout: float) ->
     sampling = resolve_sampling(None, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
     tokens = 0
     for turn in prompt.turns:
-        payload = {"model": model, "messages": messages + [{"role": "user", "content": turn}],
+        sent = [{"role": m["role"], "content": m["content"]} for m in messages]  # without distill's own "cut"
+        payload = {"model": model, "messages": sent + [{"role": "user", "content": turn}],
                    "max_tokens": cfg.max_new_tokens, "temperature": sampling.temperature if sampling.do_sample else 0.0,
                    "seed": cfg.seed}
         if sampling.do_sample:
@@ -85,7 +86,9 @@ def _converse(base_url: str, model: str, prompt: Prompt, cfg, timeout: float) ->
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise ServerError(f"{base_url}: not a chat completion: {json.dumps(reply)[:300]}") from None
-        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": (text or "").strip()}]
+        # Stopped by max_tokens: marked as distill marks an answer it stopped (training leaves out the end marker).
+        cut = {"cut": True} if reply["choices"][0].get("finish_reason") == "length" else {}
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": (text or "").strip(), **cut}]
         tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
     if not any(m["role"] == "assistant" for m in messages):
         return None, tokens
