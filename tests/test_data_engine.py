@@ -95,6 +95,26 @@ def test_a_request_asked_on_seeing_an_empty_answer_is_answered():
     assert got == {"empty": [], "asked then": reference(model, [5, 6, 7], 4)}
 
 
+def test_a_request_may_ask_more_tokens_than_the_default_and_the_model_need_not_take_logits_to_keep():
+    """The default capacity holds every request's own budget; a model whose forward has no logits_to_keep (a custom
+    one) is prefilled without it, as the decoding loop's verify pass runs it."""
+    from transformers import LlamaForCausalLM
+
+    class NoLogitsToKeep(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=cache, use_cache=use_cache)
+
+    model = tiny_model("llama")
+    got = dict(decode_stream(model, deque([Request("long", [5, 6, 7], max_new_tokens=10)]), set(), rows=1,
+                             max_new_tokens=4))
+    assert len(got["long"]) == 10
+    plain = NoLogitsToKeep(model.config).eval()
+    plain.load_state_dict(model.state_dict())
+    got = dict(decode_stream(plain, deque([Request("a", [5, 6, 7])]), {EOS}, rows=1, max_new_tokens=4))
+    assert got["a"] == reference(model, [5, 6, 7], 4)
+
+
 def test_each_row_draws_as_its_requests_sampling_says():
     """Per-request sampling (the decoding loop's rule): a tiny nucleus or top-k 1 keeps only the argmax, so those
     rows equal greedy ones; a row sampling the whole distribution beside them samples (differs from greedy for some

@@ -115,15 +115,15 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     """Answer `requests` (a deque of Request, which the caller may extend while iterating, e.g. with
     a conversation's next turn) and yield (key, new tokens through the first eos) as each row ends.
 
-    A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default
-    the longest request + max_new_tokens); with stop_loops, also once it loops (repetition.LoopWatch), its tokens
-    then cut where the loop began. Each row draws as its request's `sampling` says.
+    A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default the most
+    any request needs: its prompt + its max_new_tokens); with stop_loops, also once it loops (repetition.LoopWatch),
+    its tokens then cut where the loop began. Each row draws as its request's `sampling` says.
     """
     spec = inspect_base_model(model)  # read per call: the caller may switch attention implementations
     device = model.get_input_embeddings().weight.device
     dtype = model.get_output_embeddings().weight.dtype
     if capacity is None:
-        capacity = max((len(r.input_ids) for r in requests), default=1) + max_new_tokens
+        capacity = max((len(r.input_ids) + (r.max_new_tokens or max_new_tokens) for r in requests), default=1)
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = Slots(_n_layers(model), rows, capacity)
     eos = torch.tensor(sorted(eos_token_ids), device=device)
@@ -163,8 +163,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 cache.row, cache.start, cache.width = row, start, n
                 q_pos, kv_pos = columns[None, start:n], columns[None, :n]
                 mask = layer_masks(spec, kv_pos[:, None, :] <= q_pos[:, :, None], q_pos, kv_pos, dtype)
-                out = model(input_ids=ids, attention_mask=mask, position_ids=q_pos, cache=cache,
-                            use_cache=True, logits_to_keep=1)
+                keep = {"logits_to_keep": 1} if spec.takes_logits_to_keep else {}  # the last token's logits only
+                out = model(input_ids=ids, attention_mask=mask, position_ids=q_pos, cache=cache, use_cache=True,
+                            **keep)
                 last_prefill.update(ids=request.input_ids, row=row, logits=out.logits[:, -1])
             held[row] = request.input_ids
             sampling[row] = request.sampling
