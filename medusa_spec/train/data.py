@@ -4,6 +4,7 @@ assistant-only loss mask, and padding or packing into rows of at most `max_lengt
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,17 +145,28 @@ def read_prompts(path: str | Path, prompt_field: str | None = None, limit: int |
     return prompts
 
 
+def normal_text(text: str) -> str:
+    """A prompt's text as compared for repeats: lowercased, whitespace folded."""
+    return re.sub(r"\s+", " ", text.lower()).strip()
+
+
 def unique_prompts(prompts: list[Prompt]) -> list[Prompt]:
-    """`prompts` with each id once. An id names the stored conversation (FILE_NAME:LINE, so a run resumes from any
-    folder): two different prompts under one id, from two --prompts files of the same name, would store one's
+    """`prompts` with each text once (the pools overlap: the same question in two collections; the first copy is
+    kept), by normal_text of every turn. An id names the stored conversation (FILE_NAME:LINE, so a run resumes from
+    any folder): two different prompts under one id, from two --prompts files of the same name, would store one's
     answers as the other's and skip the second on resume, so they are refused."""
-    first: dict[str, Prompt] = {}
+    by_id: dict[str, Prompt] = {}
+    seen, unique = set(), []
     for p in prompts:
-        other = first.setdefault(p.id, p)
+        other = by_id.setdefault(p.id, p)
         if other.turns != p.turns:
             raise ValueError(f"two prompts have the id {p.id!r}: prompt ids are FILE_NAME:LINE, and two --prompts "
                              f"files are named {p.id.split(':')[0]!r}; give each file its own name")
-    return list(first.values())
+        text = tuple(normal_text(t) for t in p.turns)
+        if text not in seen:
+            seen.add(text)
+            unique.append(p)
+    return unique
 
 
 def read_prompt_files(specs: list[str], prompt_field: str | None = None) -> list[Prompt]:

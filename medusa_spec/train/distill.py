@@ -13,7 +13,6 @@ are skipped.
 from __future__ import annotations
 
 import json
-import re
 import time
 import zlib
 from collections import deque
@@ -25,7 +24,7 @@ from tqdm.auto import tqdm
 from ..accept import Sampling
 from ..inputs import resolve_sampling
 from ..loop import eval_mode
-from .data import Prompt, read_prompts, render, unique_prompts
+from .data import Prompt, normal_text, read_prompts, render, unique_prompts
 from .engine import Request, decode_stream
 from .options import option, shared
 from .store import ConversationStore, complete_lines, is_folder, read_records
@@ -137,10 +136,6 @@ def answer(base_model, tokenizer, conversations: list[list[dict]], cfg: DistillC
     return replies, count
 
 
-def _normal(text: str) -> str:
-    return re.sub(r"\s+", " ", text.lower()).strip()
-
-
 def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Prompt], progress: bool) -> Path:
     """Grow the output folder's SELF_PROMPTS file to cfg.self_prompts model-written prompts, each
     new (by lowercased, whitespace-folded text) against `known` and the file; returns its path."""
@@ -158,7 +153,7 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{path}:{number}: not a model-written prompt ({{\"prompt\": ...}}); it is distill's own "
                              f"file: move it away to write the prompts anew") from None
-    seen = {_normal(t) for p in known for t in p.turns} | {_normal(t) for t in written}
+    seen = {normal_text(t) for p in known for t in p.turns} | {normal_text(t) for t in written}
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     opening = _ids(tokenizer, user_turn_opening(tokenizer, system))
     eos = eos_ids(base_model, tokenizer)
@@ -177,10 +172,10 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
                                            seed=cfg.seed + tries + len(written)):
                 text = _decode(tokenizer, tokens, eos)
                 # An unfinished prompt (no end of turn within 160 tokens) or a repeat is dropped.
-                if not tokens or tokens[-1] not in eos or len(text) < 8 or _normal(text) in seen:
+                if not tokens or tokens[-1] not in eos or len(text) < 8 or normal_text(text) in seen:
                     continue
                 if len(written) < cfg.self_prompts:
-                    seen.add(_normal(text))
+                    seen.add(normal_text(text))
                     written.append(text)
                     out.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
                     out.flush()  # whole lines on disk as they come: a kill loses at most the prompt being written
@@ -202,18 +197,12 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
 
 
 def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, progress: bool) -> dict:
-    prompts = unique_prompts(prompts)
+    unique = unique_prompts(prompts)  # an id clash fails here, before any prompt is written
     if cfg.self_prompts:
-        path = write_self_prompts(base_model, tokenizer, cfg, prompts, progress)
-        prompts = unique_prompts(prompts + read_prompts(path))
+        path = write_self_prompts(base_model, tokenizer, cfg, unique, progress)
+        prompts = prompts + read_prompts(path)
+        unique = unique_prompts(prompts)
     store = ConversationStore(cfg.output, cfg.chunk_size)
-    # The pools overlap (the same question in two collections): the first copy is answered.
-    seen, unique = set(), []
-    for p in prompts:
-        text = tuple(_normal(t) for t in p.turns)
-        if text not in seen:
-            seen.add(text)
-            unique.append(p)
     todo = [p for p in unique if p.id not in store.done]
     # Similar lengths side by side, shortest first: conversations are stored soonest (the cache is
     # allocated whole at the start, so memory trouble shows at once whatever the order).

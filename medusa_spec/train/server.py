@@ -103,9 +103,10 @@ def distill_via_server(prompts: list[Prompt], cfg, progress: bool = True, timeou
     base_url = cfg.server.rstrip("/").removesuffix("/v1")
     model = cfg.server_model or served_model(base_url)
     store = ConversationStore(cfg.output, cfg.chunk_size)
-    prompts = unique_prompts(prompts)
-    todo = [p for p in prompts if p.id not in store.done]
-    stats = {"prompts": len(prompts), "skipped_finished": len(prompts) - len(todo), "written": 0,
+    unique = unique_prompts(prompts)  # as local distillation: each text once
+    todo = [p for p in unique if p.id not in store.done]
+    stats = {"prompts": len(prompts), "duplicates": len(prompts) - len(unique),
+             "skipped_finished": len(unique) - len(todo), "written": 0,
              "skipped_too_long": 0, "new_tokens": 0}
     start = time.perf_counter()
     bar = tqdm(total=len(todo), unit="conv", disable=not progress, desc=f"distill via {base_url}")
