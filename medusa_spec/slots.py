@@ -111,8 +111,13 @@ def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention
     else:
         leading = []
         if prompt_length > 1:
-            mask = attention_masks(spec, slot_valid[:, :-1], slot_pos[:, :-1], slot_pos[:, :-1], causal[:-1, :-1],
-                                   model_device_dtype(model)[1])
+            mask = slot_valid[:, :-1].long()
+            # Without padding the model builds its own causal mask from that, as transformers' generate prefills
+            # (whose attention can then skip the masked half); with padding it takes ours, whose sliding windows
+            # count positions, not slots, as every later step's mask does.
+            if not bool(mask.all()):
+                mask = attention_masks(spec, slot_valid[:, :-1], slot_pos[:, :-1], slot_pos[:, :-1], causal[:-1, :-1],
+                                       model_device_dtype(model)[1])
             out = body(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=slot_pos[:, :-1], cache=cache,
                        use_cache=True, output_hidden_states=bool(feature_layers), return_dict=True)
             leading = [base_features(out.hidden_states, feature_layers) if feature_layers else out.last_hidden_state]
