@@ -320,6 +320,10 @@ def test_an_answer_distill_stopped_trains_no_end_of_turn_marker():
     example = tokenize_conversation(tokenizer, messages)
     marked = [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m]
     assert marked == ["w4", "w5", "w10", "<|end|>", "w21"]
+    empty = [ask(3), {"role": "assistant", "content": "", "cut": True}, ask(9), {"role": "assistant", "content": "w10"}]
+    example = tokenize_conversation(tokenizer, empty)  # a loop from the first token: nothing of it trains
+    assert [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m] == [
+        "w10", "<|end|>"]
 
 
 def test_distill_marks_the_answers_it_stopped(base_dir, tmp_path):

@@ -243,9 +243,10 @@ def tokenize_conversation(tokenizer, messages: list[dict], keep_loops: bool = Fa
                              "template")
         end = len(through)
         if message.get("cut"):
-            content_end = text.find(message["content"], len(before)) + len(message["content"])
-            if len(before) < content_end <= end:  # found where the template put it: the marker follows
-                end = content_end
+            content = message["content"]
+            found = text.find(content, len(before), end) if content else len(before)
+            if found >= 0:  # where the template put it (a template that rewrites it keeps the whole turn)
+                end = found + len(content)
         spans.append((len(before), end))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]

@@ -272,12 +272,13 @@ def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, p
                         continue
                 pending.append({"id": pid, "messages": conversations.pop(pid)})
             if len(pending) >= 16:
-                store.append(pending)
-                stats["written"] += len(pending)
-                bar.update(len(pending))
-                pending = []
+                batch, pending = pending, []  # handed over first: a Ctrl-C inside the write stores nothing twice
+                store.append(batch)
+                stats["written"] += len(batch)
+                bar.update(len(batch))
             bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
     finally:  # finished conversations are kept whatever ends the run (a Ctrl-C included)
+        pending = [r for r in pending if r["id"] not in store.done]
         store.append(pending)
         stats["written"] += len(pending)
     bar.close()

@@ -116,8 +116,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     a conversation's next turn) and yield (key, new tokens through the first eos) as each row ends.
 
     A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default the most
-    any request needs: its prompt + its max_new_tokens); with stop_loops, also once it loops (repetition.LoopWatch),
-    its tokens then cut where the loop began. Each row draws as its request's `sampling` says.
+    any request queued at the start needs, its prompt + its max_new_tokens: pass it when later requests may need
+    more); with stop_loops, also once it loops (repetition.LoopWatch), its tokens then cut where the loop began.
+    Each row draws as its request's `sampling` says.
     """
     spec = inspect_base_model(model)  # read per call: the caller may switch attention implementations
     device = model.get_input_embeddings().weight.device

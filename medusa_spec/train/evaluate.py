@@ -21,17 +21,18 @@ from .loss import target_mask
 
 
 def head_hits(head_logits: torch.Tensor, base_logits: torch.Tensor, loss_mask: torch.Tensor,
-              segment_ids: torch.Tensor, k: int, top_k: int,
-              token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              segment_ids: torch.Tensor, k: int, top_k: int, token_map: torch.Tensor | None = None,
+              greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Head k, position by position: head_logits [B, T, K, V'], base_logits [B, T, V] -> (hits [B, T - k - 2,
     top_k], valid [B, T - k - 2]): hits[b, t, r] is whether head k's rank-r candidate at t is the base's greedy
     token at t + k + 2, valid[b, t] whether that position counts. `token_map` [V']: the heads' draft vocabulary
-    (index -> token id), if reduced."""
+    (index -> token id), if reduced; `greedy` [B, T]: base_logits.argmax(-1), when the caller has it already."""
     shift = k + 2
     candidates = head_logits[:, :-shift, k].topk(top_k, dim=-1).indices  # [B, T - shift, top_k]
     if token_map is not None:
         candidates = token_map[candidates]
-    target = base_logits.argmax(dim=-1)[:, shift - 1: -1]  # argmax at t + shift - 1 is the base's token for t + shift
+    greedy = base_logits.argmax(dim=-1) if greedy is None else greedy
+    target = greedy[:, shift - 1: -1]  # the argmax at t + shift - 1 is the base's token for t + shift
     return candidates == target[..., None], target_mask(loss_mask, segment_ids, shift)
 
 
@@ -43,10 +44,11 @@ def count_rank_hits(head_logits: torch.Tensor, base_logits: torch.Tensor, loss_m
     num_heads, length = head_logits.shape[2], head_logits.shape[1]
     hits = torch.zeros(num_heads, top_k, dtype=torch.long, device=head_logits.device)
     positions = torch.zeros(num_heads, dtype=torch.long, device=head_logits.device)
+    greedy = base_logits.argmax(dim=-1)
     for k in range(num_heads):
         if length <= k + 2:
             continue
-        hit, valid = head_hits(head_logits, base_logits, loss_mask, segment_ids, k, top_k, token_map)
+        hit, valid = head_hits(head_logits, base_logits, loss_mask, segment_ids, k, top_k, token_map, greedy)
         hits[k] = (hit & valid[..., None]).sum(dim=(0, 1))
         positions[k] = valid.sum()
     return hits, positions

@@ -45,7 +45,8 @@ def _call(url: str, payload: dict | None, timeout: float) -> dict:
 
 def _context_too_short(error: str) -> bool:
     """Whether a server's error says the prompt does not fit its context."""
-    return "HTTP 400" in error and re.search(r"context|too long|too many tokens", error, re.IGNORECASE) is not None
+    _, refused, body = error.partition(" answered HTTP 400: ")  # the server's own message, not the URL
+    return bool(refused) and re.search(r"context|too long|too many tokens", body, re.IGNORECASE) is not None
 
 
 def served_model(base_url: str, timeout: float = 30) -> str:
