@@ -115,6 +115,16 @@ def test_a_request_may_ask_more_tokens_than_the_default_and_the_model_need_not_t
     assert got["a"] == reference(model, [5, 6, 7], 4)
 
 
+def test_requests_that_end_at_their_first_token_one_after_another_in_a_row():
+    """A row refilled by a request whose first token ends it (max_new_tokens 1 here) ends too, before any decoding
+    step: no answer runs past its budget or its eos."""
+    model = tiny_model("llama")
+    asks = prompts(4, seed=5)
+    got = dict(decode_stream(model, deque(Request(i, ids, max_new_tokens=1) for i, ids in enumerate(asks)), {EOS},
+                             rows=1, max_new_tokens=8))
+    assert got == {i: reference(model, ids, 1) for i, ids in enumerate(asks)}
+
+
 def test_each_row_draws_as_its_requests_sampling_says():
     """Per-request sampling (the decoding loop's rule): a tiny nucleus or top-k 1 keeps only the argmax, so those
     rows equal greedy ones; a row sampling the whole distribution beside them samples (differs from greedy for some

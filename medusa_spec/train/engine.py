@@ -195,14 +195,16 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             for row in range(rows):  # free rows take what the caller asked since (on seeing an empty answer)
                 if requests and active[row] is None:
                     fill(row)
-            # Rows whose first token already ends them (eos, or max_new_tokens == 1).
+            # Rows whose first token already ends them (eos, or max_new_tokens == 1), and so on for the request that
+            # refills the row: it may end at once too.
             for row in range(rows):
-                if active[row] is not None:
+                while active[row] is not None:
                     key, tokens = active[row]
-                    if tokens[-1] in eos_token_ids or len(tokens) >= limit[row] or length[row] + 1 >= capacity:
-                        active[row] = None
-                        yield key, tokens
-                        fill(row)  # only its prompt was written: held[row] is right
+                    if not (tokens[-1] in eos_token_ids or len(tokens) >= limit[row] or length[row] + 1 >= capacity):
+                        break
+                    active[row] = None
+                    yield key, tokens
+                    fill(row)  # only its prompt was written: held[row] is right
             if not any(a is not None for a in active):
                 if yield_later:
                     continue  # yielded at the top of the loop, where the caller may still ask for more
