@@ -48,10 +48,10 @@ def count(module, tokenizer, records: list[dict]) -> dict[str, list[int]]:
             out = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], base_logits=True,
                          greedy_paths=True)
             logits = module.heads.project(out.head_states, module.base_model.get_output_embeddings())
-        hit, valid = head_hits(logits, out.base_logits, batch["loss_mask"], batch["segment_ids"], 0, 1,
-                               module.heads.token_map)
+        greedy = out.base_logits.argmax(dim=-1)
+        hit, valid = head_hits(logits, greedy, batch["loss_mask"], batch["segment_ids"], 0, 1, module.heads.token_map)
         hits, valid = hit[0, :, 0].tolist(), valid[0].tolist()
-        targets = out.base_logits[0].argmax(dim=-1)[1:-1].tolist()  # the base's greedy token at t + 2
+        targets = greedy[0, 1:-1].tolist()  # the base's greedy token at t + 2
         c = counts.setdefault(record["category"], [0, 0, 0, 0])
         for ok, hit, copy in zip(valid, hits, copied(batch["input_ids"][0].tolist(), targets)):
             if ok:

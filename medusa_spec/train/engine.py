@@ -192,12 +192,11 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             for item in yield_later:
                 yield item
             yield_later.clear()
-            for row in range(rows):  # free rows take what the caller asked since (on seeing an empty answer)
+            # A free row takes what the caller asked since (on seeing an empty answer). Rows whose first token already
+            # ends them (eos, or max_new_tokens == 1) end, and so on for the request that refills the row.
+            for row in range(rows):
                 if requests and active[row] is None:
                     fill(row)
-            # Rows whose first token already ends them (eos, or max_new_tokens == 1), and so on for the request that
-            # refills the row: it may end at once too.
-            for row in range(rows):
                 while active[row] is not None:
                     key, tokens = active[row]
                     if not (tokens[-1] in eos_token_ids or len(tokens) >= limit[row] or length[row] + 1 >= capacity):

@@ -20,18 +20,16 @@ from .data import collate
 from .loss import target_mask
 
 
-def head_hits(head_logits: torch.Tensor, base_logits: torch.Tensor, loss_mask: torch.Tensor,
-              segment_ids: torch.Tensor, k: int, top_k: int, token_map: torch.Tensor | None = None,
-              greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head k, position by position: head_logits [B, T, K, V'], base_logits [B, T, V] -> (hits [B, T - k - 2,
-    top_k], valid [B, T - k - 2]): hits[b, t, r] is whether head k's rank-r candidate at t is the base's greedy
-    token at t + k + 2, valid[b, t] whether that position counts. `token_map` [V']: the heads' draft vocabulary
-    (index -> token id), if reduced; `greedy` [B, T]: base_logits.argmax(-1), when the caller has it already."""
+def head_hits(head_logits: torch.Tensor, greedy: torch.Tensor, loss_mask: torch.Tensor, segment_ids: torch.Tensor,
+              k: int, top_k: int, token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head k, position by position: head_logits [B, T, K, V'], greedy [B, T] (the base's argmax at each position)
+    -> (hits [B, T - k - 2, top_k], valid [B, T - k - 2]): hits[b, t, r] is whether head k's rank-r candidate at t
+    is the base's greedy token at t + k + 2, valid[b, t] whether that position counts. `token_map` [V']: the heads'
+    draft vocabulary (index -> token id), if reduced."""
     shift = k + 2
     candidates = head_logits[:, :-shift, k].topk(top_k, dim=-1).indices  # [B, T - shift, top_k]
     if token_map is not None:
         candidates = token_map[candidates]
-    greedy = base_logits.argmax(dim=-1) if greedy is None else greedy
     target = greedy[:, shift - 1: -1]  # the argmax at t + shift - 1 is the base's token for t + shift
     return candidates == target[..., None], target_mask(loss_mask, segment_ids, shift)
 
@@ -48,7 +46,7 @@ def count_rank_hits(head_logits: torch.Tensor, base_logits: torch.Tensor, loss_m
     for k in range(num_heads):
         if length <= k + 2:
             continue
-        hit, valid = head_hits(head_logits, base_logits, loss_mask, segment_ids, k, top_k, token_map, greedy)
+        hit, valid = head_hits(head_logits, greedy, loss_mask, segment_ids, k, top_k, token_map)
         hits[k] = (hit & valid[..., None]).sum(dim=(0, 1))
         positions[k] = valid.sum()
     return hits, positions
