@@ -76,10 +76,20 @@ def test_no_room_and_empty_requests_come_back_empty():
     requests = deque([Request("long", list(range(3, 40))), Request("empty", []), Request("ok", [5, 6, 7])])
     got = dict(decode_stream(model, requests, {EOS}, rows=2, max_new_tokens=4, capacity=16))
     assert got["long"] == [] and got["empty"] == [] and got["ok"] == reference(model, [5, 6, 7], 4)
-    # A row whose cache fills up ends there, not past its buffer.
+    # A row whose cache fills up ends there, not past its buffer, and not before: 4 free columns take 4 fed tokens,
+    # and the answer's last token is never fed.
     got = dict(decode_stream(model, deque([Request("tight", list(range(3, 13)))]), set(), rows=1, max_new_tokens=50,
                              capacity=14))
-    assert len(got["tight"]) == 14 - 10
+    roomy = dict(decode_stream(model, deque([Request("tight", list(range(3, 13)))]), set(), rows=1, max_new_tokens=50))
+    assert len(got["tight"]) == 14 - 10 + 1 and got["tight"] == roomy["tight"][:5]
+
+
+def test_a_budget_below_one_token_is_refused_by_name():
+    """max_new_tokens=0 is an error, not "the default" (as `0 or default` would read it)."""
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        Request("none", [5, 6, 7], max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        next(decode_stream(tiny_model("llama"), deque([Request("a", [5, 6, 7])]), {EOS}, rows=1, max_new_tokens=0))
 
 
 def test_a_request_asked_on_seeing_an_empty_answer_is_answered():

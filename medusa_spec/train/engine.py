@@ -86,6 +86,11 @@ class Request:
     sampling: Sampling = GREEDY  # how this row's tokens are drawn (as transformers' generate with those settings)
     max_new_tokens: int | None = None  # None: decode_stream's
 
+    def __post_init__(self):
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"Request {self.key!r}: max_new_tokens must be at least 1, got {self.max_new_tokens} "
+                             "(None takes decode_stream's max_new_tokens)")
+
 
 def _n_layers(model: nn.Module) -> int:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -120,6 +125,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     more); with stop_loops, also once it loops (repetition.LoopWatch), its tokens then cut where the loop began.
     Each row draws as its request's `sampling` says.
     """
+    if max_new_tokens < 1:
+        raise ValueError(f"decode_stream: max_new_tokens must be at least 1, got {max_new_tokens}")
     spec = inspect_base_model(model)  # read per call: the caller may switch attention implementations
     device = model.get_input_embeddings().weight.device
     dtype = model.get_output_embeddings().weight.dtype
@@ -199,7 +206,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                     fill(row)
                 while active[row] is not None:
                     key, tokens = active[row]
-                    if not (tokens[-1] in eos_token_ids or len(tokens) >= limit[row] or length[row] + 1 >= capacity):
+                    if not (tokens[-1] in eos_token_ids or len(tokens) >= limit[row]):  # a prompt leaves a free column
                         break
                     active[row] = None
                     yield key, tokens
@@ -221,7 +228,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             nxt = _pick(out.logits[:, -1], sampling, generator)
             length += busy.long()
             last = torch.where(busy, nxt, last)
-            done = busy & (torch.isin(nxt, eos) | (length + 1 >= capacity))
+            done = busy & (torch.isin(nxt, eos) | (length >= capacity))  # no free column to feed nxt into
             picked = nxt.tolist()  # one sync per step
             for row, a in enumerate(active):
                 if a is None:
