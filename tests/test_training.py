@@ -505,6 +505,16 @@ def test_distill_refuses_two_prompt_files_of_one_name_and_bad_settings(base_dir,
     stats = distill(base_model, tokenizer, prompts[:1] * 2, distill_settings(base_dir, output, max_new_tokens=4),
                     progress=False)
     assert stats["written"] == 1 and len(read_records(output)) == 1
+    # A --prompts file named as the model's own prompts are kept would clash with them once they are written: refused
+    # before the model writes any.
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / SELF_PROMPTS).write_text(json.dumps({"prompt": "count from w3"}) + "\n")
+    folder = tmp_path / "with-self"
+    with pytest.raises(ValueError, match=f"a --prompts file is named {SELF_PROMPTS}.*rename that file"):
+        distill(base_model, tokenizer, read_prompt_files([str(tmp_path / "c" / SELF_PROMPTS)]),
+                distill_settings(base_dir, folder, max_new_tokens=4, self_prompts=1, max_prompt_tokens=400),
+                progress=False)
+    assert not (folder / SELF_PROMPTS).exists()
     for setting, match in ((dict(batch_size=0), "--batch-size must be >= 1"),
                            (dict(max_new_tokens=0), "--max-new-tokens must be >= 1"),
                            (dict(follow_ups=1.5), "--follow-ups is a share"),

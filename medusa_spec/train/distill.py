@@ -198,6 +198,11 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
 
 def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, progress: bool) -> dict:
     unique = unique_prompts(prompts)  # an id clash fails here, before any prompt is written
+    if cfg.self_prompts and any(p.id.rsplit(":", 1)[0] == SELF_PROMPTS for p in prompts):
+        # Their ids would clash with the model's own prompts' (FILE_NAME:LINE) once those are written.
+        raise ValueError(f"a --prompts file is named {SELF_PROMPTS}, the name --self-prompts keeps the model's own "
+                         f"prompts under in --output: rename that file (or leave it out: --self-prompts reads the "
+                         f"output folder's own {SELF_PROMPTS})")
     if cfg.self_prompts:
         path = write_self_prompts(base_model, tokenizer, cfg, unique, progress)
         prompts = prompts + read_prompts(path)
