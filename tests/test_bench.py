@@ -42,6 +42,10 @@ def test_bench_reports_each_stage_of_a_step(tmp_path):
     report = bench.write_report(records, tmp_path, meta={})
     overall = report["summary"]["overall"]
     assert "stages" not in overall["hf_greedy"]
+    # Each speed-up is over transformers decoding the same way: sampled methods over hf_sample, when it ran.
+    rate = {m: f["tokens_per_second"] for m, f in overall.items()}
+    assert overall["medusa_greedy"]["speedup"] == pytest.approx(rate["medusa_greedy"] / rate["hf_greedy"], rel=0.01)
+    assert overall["medusa_sample"]["speedup"] is None  # hf_sample did not run
     for method in TIMED:
         figures = overall[method]
         stages = figures["stages"]
@@ -52,6 +56,27 @@ def test_bench_reports_each_stage_of_a_step(tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert "| method | step ms | propose | verify | accept | commit | prefill ms |" in table
     assert all(f"| {method} | " in table.split("Where a step's time goes")[1] for method in TIMED)
+
+
+def test_sampled_methods_are_timed_against_transformers_sampling_the_same_way(monkeypatch):
+    """hf_sample and medusa_sample pass generate the same settings (bench.SAMPLING), and medusa_sample's speed-up
+    is over hf_sample's rate."""
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
+    asked = []
+    generate = type(mm.base_model).generate
+    monkeypatch.setattr(type(mm.base_model), "generate",
+                        lambda self, *a, **kw: asked.append(kw) or generate(self, *a, **kw))
+    records = bench.bench(mm, word_tokenizer(), [("a", "w5 w6 w7 w5 w6")], max_new_tokens=16, tree=TREE,
+                          methods=("hf_greedy", "hf_sample", "medusa_sample"))
+    assert asked and all(kw["do_sample"] and kw["temperature"] == 0.7 and kw["top_p"] == 0.9 for kw in asked
+                         if kw["do_sample"])
+    assert sum(kw["do_sample"] for kw in asked) == 2  # hf_sample: the warm-up and the prompt
+    sampled = [r for r in records if r["method"] == "hf_sample"]
+    assert sampled[0]["steps"] == sampled[0]["new_tokens"]
+    overall = bench.summarize(records)["overall"]
+    want = overall["medusa_sample"]["tokens_per_second"] / overall["hf_sample"]["tokens_per_second"]
+    assert overall["medusa_sample"]["speedup"] == pytest.approx(want, rel=0.01)
+    assert overall["hf_sample"]["speedup"] == 1.0
 
 
 def test_decoding_without_a_timer_takes_no_laps_and_gives_the_same_tokens(monkeypatch):
