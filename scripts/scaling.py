@@ -4,10 +4,12 @@ Reads the evaluations `medusa-spec train --eval-every N` logs (train_log.jsonl: 
 accuracies at each point) of one or more runs, and for each point gives head top-1 accuracies and the expected
 tokens per step of the best tree of --nodes nodes grown from those accuracies (what `medusa-spec tree` stores).
 
-    python scripts/scaling.py runs/a [runs/b ...] [--nodes 8] [--plot scaling.png]
+    python scripts/scaling.py runs/a [runs/b ...] [--nodes 8] [--plot scaling.png] [--learned-before N ...]
 
 Points seen in the first epoch are points of a data-scaling curve (every answer token is new); later ones repeat
-data, and are marked.
+data, and are marked. A run that trained on heads which had already learned from other conversations (`train
+--init-heads` over conversations they did not see, as `continue.sh` does) continues their curve: --learned-before
+gives, per run, the distinct answer tokens those heads had learned from, and its points count from there.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from medusa_spec.autotree import expected_tokens_per_step
 from medusa_spec.tree import grow_tree
 
 
-def scaling_points(run: Path, nodes: int) -> list[dict]:
-    """One point per evaluation logged in run/train_log.jsonl that counted the answer tokens seen."""
+def scaling_points(run: Path, nodes: int, learned_before: int = 0) -> list[dict]:
+    """One point per evaluation logged in run/train_log.jsonl that counted the answer tokens seen (added to
+    learned_before, what the heads it started from had learned)."""
     log = run / "train_log.jsonl" if run.is_dir() else run
     if not log.is_file():
         raise SystemExit(f"{log}: no training log; give a folder written by `medusa-spec train`")
@@ -31,7 +34,8 @@ def scaling_points(run: Path, nodes: int) -> list[dict]:
         accuracy = record.get("eval", {}).get("rank_accuracy")
         if accuracy is None or "answer_tokens_seen" not in record:
             continue
-        points.append({"run": run.name, "step": record["step"], "answer_tokens": record["answer_tokens_seen"],
+        points.append({"run": run.name, "step": record["step"],
+                       "answer_tokens": learned_before + record["answer_tokens_seen"],
                        "top1": record["eval"]["top1"],
                        "expected": expected_tokens_per_step(grow_tree(accuracy, nodes), accuracy)})
     summary = run / "medusa_config.json" if run.is_dir() else None
@@ -39,7 +43,7 @@ def scaling_points(run: Path, nodes: int) -> list[dict]:
         train = json.loads(summary.read_text(encoding="utf-8")).get("metrics", {}).get("train", {})
         data_tokens = train.get("answer_tokens_in_data")
     for point in points:
-        point["repeats"] = bool(data_tokens) and point["answer_tokens"] > data_tokens
+        point["repeats"] = bool(data_tokens) and point["answer_tokens"] - learned_before > data_tokens
     return points
 
 
@@ -79,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="folders written by `medusa-spec train` (or their logs)")
     parser.add_argument("--nodes", type=int, default=8, help="tree size of the expected tokens/step (default: 8)")
     parser.add_argument("--plot", type=Path, help="also draw the curves into this PNG")
+    parser.add_argument("--learned-before", type=int, nargs="+", metavar="N",
+                        help="per run: the distinct answer tokens the heads it started from had learned (default 0)")
     args = parser.parse_args(argv)
-    points = [p for run in args.runs for p in scaling_points(run, args.nodes)]
+    learned = args.learned_before or [0] * len(args.runs)
+    if len(learned) != len(args.runs):
+        parser.error(f"--learned-before takes one count per run: {len(args.runs)} runs, {len(learned)} counts")
+    points = [p for run, before in zip(args.runs, learned) for p in scaling_points(run, args.nodes, before)]
     if not points:
         raise SystemExit("no evaluation with answer_tokens_seen in these logs; train with --eval-every N")
     print(markdown(points, args.nodes))

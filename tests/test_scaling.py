@@ -51,6 +51,15 @@ def test_scaling_script_draws_the_plot_and_names_a_log_without_points(base_dir, 
     assert scaling.main([str(tmp_path / "run"), "--plot", str(tmp_path / "scaling.png")]) == 0
     assert (tmp_path / "scaling.png").stat().st_size > 1000
     assert "| run | 2 |" in capsys.readouterr().out
+    # A run on heads that had learned from other conversations continues their curve; its repeats stay its own.
+    assert scaling.main([str(tmp_path / "run"), "--learned-before", "1000000"]) == 0
+    counted = scaling.scaling_points(tmp_path / "run", nodes=4)
+    continued = scaling.scaling_points(tmp_path / "run", nodes=4, learned_before=1_000_000)
+    assert [p["answer_tokens"] - 1_000_000 for p in continued] == [p["answer_tokens"] for p in counted]
+    assert [p["repeats"] for p in continued] == [p["repeats"] for p in counted]
+    assert f"| run | 2 | {continued[0]['answer_tokens'] / 1e6:.2f}M" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        scaling.main([str(tmp_path / "run"), "--learned-before", "1", "2"])
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "train_log.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     with pytest.raises(SystemExit, match="train with --eval-every"):
