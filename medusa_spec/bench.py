@@ -207,7 +207,8 @@ def markdown(summary: dict) -> str:
                      "-" if f["speedup"] is None else f"{f['speedup']:.2f}x",
                      f"{f['equal_to_reference']:.0%}" if "equal_to_reference" in f else "-"]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Speed-up over {REFERENCE}; {' and '.join(SAMPLED)} over hf_sample ({SAMPLING})."]
+    settings = ", ".join(f"{k} {v}" for k, v in SAMPLING.items() if k != "do_sample")
+    lines += ["", f"Speed-up over {REFERENCE}; {' and '.join(SAMPLED)} over hf_sample (sampling at {settings})."]
     timed = {m: f for m, f in summary.get("overall", {}).items() if "stages" in f}
     if timed:
         lines += ["", "Where a step's time goes (overall; ms per step and share of the step):", "",
