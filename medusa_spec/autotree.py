@@ -60,7 +60,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     choose_tree weighs, grown from `rank_accuracy` (default: equal accuracies): a dependent head's drafting cost
     is one call per tree depth, so a tree of the same size but another shape costs another time (over a full 49k
     vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
-    base, spec = columnwise_copy(mm.base_model, mm.packed_weights), mm.spec  # as the decoding loop runs it
+    base, spec = columnwise_copy(mm.base_model), mm.spec  # as the decoding loop runs it (see columnwise)
     device = base.get_output_embeddings().weight.device
     ids = torch.randint(0, spec.vocab_size, (batch, context), device=device)
     valid = torch.ones_like(ids, dtype=torch.bool)

@@ -15,23 +15,11 @@ takes the groups as they are (`enable_gqa`); transformers passes that only for m
 kernel supports, so the copy's attention layers read a config of their own naming `GQA_SDPA`, the
 same sdpa call with `enable_gqa`. Measured on SmolLM2-135M (9 query heads over 3 key/value heads), one
 layer with 4 rows: 279 -> 146 us after 300 tokens, 835 -> 470 us after 1,200; outputs bit-identical.
-
-Packed weights: oneDNN computes from a copy of the weight in its own blocked layout. Where a caller keeps one
-(`PackedWeights`: MedusaModel does), one row and 5 rows or more take that product. All of SmolLM2-135M's linear
-weights on a 2-core AVX2 EPYC (best of 5, cold cache): 1 row 36 ms by nn.Linear, 28 packed; column-wise against
-packed, 2 rows 26 / 25, 4 rows 27 / 30, 6 rows 43 / 33, 8 rows 45 / 36, 11 rows 61 / 41, 16 rows 60 / 51 ms.
-A verify pass of SmolLM2-135M after 256 tokens: 8 nodes 70 -> 60 ms, 11 nodes 86 -> 65, 1 node 52 -> 45.
-The copy costs the weights' memory once more, so it is kept between calls and made only for models whose
-linear weights take at most 2 GiB (and a quarter of the machine's memory). End to end on SmolLM2-135M, greedy,
-128 tokens, alternating (scripts/bench_packed.py): heads + lookup 3.5% faster on MT-bench and 1.7% on the other
-task types, heads alone within 1%.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import weakref
 
 import torch
 from torch import nn
@@ -47,19 +35,11 @@ MAX_ROWS = 64
 PAD_TO = {3: 4, 7: 8, **dict.fromkeys(range(10, 16), 16)}
 
 
-# With packed weights, one row and this many rows or more take the packed product (2-4 rows: column-wise is as fast).
-PACKED_MIN_ROWS = 5
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """nn.functional.linear(x, weight, bias); column-wise for 2-64 rows of fp32 on CPU (some counts padded:
-    PAD_TO). `packed`: `weight` in oneDNN's layout (PackedWeights), taken for 1 row and PACKED_MIN_ROWS or more.
-    (bf16 kernels round differently enough to flip near-tied greedy tokens against one-row decoding: not
-    switched.)"""
+    PAD_TO). (bf16 kernels round differently enough to flip near-tied greedy tokens against one-row
+    decoding: not switched.)"""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if packed is not None and (rows == 1 or rows >= PACKED_MIN_ROWS) and x.dtype == torch.float32:
-        return packed_linear(x, packed, bias)
     if not (2 <= rows <= MAX_ROWS and weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32):
         return nn.functional.linear(x, weight, bias)
     columns = x.reshape(rows, x.shape[-1])
@@ -100,75 +80,14 @@ AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
 _MODULE_CONTAINERS = frozenset(name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] times a weight packed by PackedWeights, plus bias: [..., out], row-major."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
-
-
 class ColumnwiseLinear(nn.Linear):
-    """nn.Linear computing through `linear` (with its weight packed, if the copy was given one). Only the layers of
-    a columnwise_copy take this class."""
+    """nn.Linear computing through `linear`. Only the layers of a columnwise_copy take this class."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias, vars(self).get("packed_weight"))
+        return linear(input, self.weight, self.bias)
 
 
-# Packed copies cost the weights' memory once more; the gain (a few percent end to end with lookup, measured on
-# SmolLM2-135M) is worth that only where the copy is small.
-MAX_PACKED_BYTES = 2 * 2**30
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
-        return None
-
-
-def _packable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_inference()
-
-
-class PackedWeights:
-    """oneDNN's packed copies of a model's plain fp32 CPU nn.Linear weights, kept between generate calls (packing
-    SmolLM2-135M's takes about 0.4 s), each made again when its weight has changed since (an in-place update, such
-    as an optimizer step, bumps the tensor's version; an assignment gives another tensor). The copies live here,
-    never on the model. `max_bytes`: models whose linear weights take more get no copies (default: 2 GiB or a
-    quarter of the machine's memory, whichever is less: small models, where a step is cheap and the copy is too);
-    0 turns packing off."""
-
-    def __init__(self, max_bytes: int | None = None):
-        memory = _physical_memory()
-        self.max_bytes = max_bytes if max_bytes is not None else min(MAX_PACKED_BYTES, (memory or 2**63) // 4)
-        self._copies: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}  # id -> (weight, version, ptr, copy)
-
-    def prepare(self, module: nn.Module) -> dict[int, torch.Tensor]:
-        """id(weight) -> packed copy for each plain nn.Linear of `module` (packed now where missing or stale); {}
-        where oneDNN is missing or the weights exceed max_bytes. Copies of weights `module` no longer holds go."""
-        weights = {id(m.weight): m.weight for m in module.modules() if type(m) is nn.Linear and _packable(m.weight)}
-        if not (weights and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-            return {}
-        if sum(w.numel() * w.element_size() for w in weights.values()) > self.max_bytes:
-            self._copies.clear()
-            return {}
-        copies = {}
-        # Outside inference mode: a copy made inside one could not be used by a later call outside it.
-        with torch.inference_mode(False), torch.no_grad():
-            for key, weight in weights.items():
-                entry = self._copies.get(key)
-                if entry is None or entry[0]() is not weight or entry[1:3] != (weight._version, weight.data_ptr()):
-                    try:
-                        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-                    except RuntimeError:  # a oneDNN build without this CPU's kernels: the column-wise path stays
-                        self._copies.clear()
-                        return {}
-                    entry = (weakref.ref(weight), weight._version, weight.data_ptr(), packed)
-                copies[key] = entry
-        self._copies = copies
-        return {key: entry[3] for key, entry in copies.items()}
-
-
-def columnwise_copy(module: nn.Module | None, packed: PackedWeights | None = None) -> nn.Module | None:
+def columnwise_copy(module: nn.Module | None) -> nn.Module | None:
     """A copy of `module`'s tree whose plain nn.Linear layers compute through `linear`, and whose sdpa attention
     layers through `gqa_sdpa_attention`; the decoding loops run the base model, the heads and a draft model through
     one, made per generate call.
@@ -179,12 +98,10 @@ def columnwise_copy(module: nn.Module | None, packed: PackedWeights | None = Non
     alone (quantised layers; a LoRA wrapper calls its plain base layer, which is converted). Why a copy, not a
     torch function mode: a mode adds Python work to every op (~7 us; a SmolLM2-135M forward is 2,300 ops), so a
     4-node verify took 115 ms under one and 94 ms through the copy. Returns `module` itself unless it holds
-    fp32 weights on CPU, where the column-wise product would not be taken. With `packed`, the copy's linear layers
-    also carry their weights' packed copies (see `linear`).
+    fp32 weights on CPU, where the column-wise product would not be taken.
     """
     if module is None or not _on_cpu_in_fp32(module):
         return module
-    packed_weights = packed.prepare(module) if packed is not None else {}
     copies: dict[int, nn.Module] = {}
     configs: dict[int, PreTrainedConfig] = {}
 
@@ -208,7 +125,6 @@ def columnwise_copy(module: nn.Module | None, packed: PackedWeights | None = Non
                                    for name, child in original._modules.items()}
         if type(original) is nn.Linear:
             clone.__class__ = ColumnwiseLinear
-            vars(clone)["packed_weight"] = packed_weights.get(id(original.weight))
         config = vars(original).get("config")
         if (getattr(original, "num_key_value_groups", 1) > 1 and isinstance(config, PreTrainedConfig)
                 and config._attn_implementation == "sdpa"):

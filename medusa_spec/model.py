@@ -12,7 +12,6 @@ from torch import nn
 
 from . import autotree, formats, io
 from .base import BaseSpec, inspect_base_model, model_device_dtype
-from .columnwise import PackedWeights
 from .config import MedusaConfig
 from .eagle import draft_layer_shape
 from .heads import MedusaHeads
@@ -44,10 +43,6 @@ class MedusaModel(nn.Module):
         # tree=None's measured trees per (device, dtype, batch) of the base model: costs differ by orders of magnitude
         # between them, and moving the model after a first generate() must not keep a table timed elsewhere.
         self._measured_trees: dict[tuple[torch.device, torch.dtype, int], list[dict]] = {}
-        # Packed copies of the base model's linear weights, kept here (never on the base model) between generate
-        # calls: on CPU in fp32, verify passes of one row or of 5 rows and more take oneDNN's packed product
-        # (columnwise.PackedWeights). Set to None to keep only the column-wise products (no second copy).
-        self.packed_weights: PackedWeights | None = PackedWeights()
 
     @property
     def spec(self) -> BaseSpec:
@@ -197,7 +192,7 @@ class MedusaModel(nn.Module):
             proposer = heads_proposer(self.base_model, self.heads, self.tree(tree, batch))
         proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
-                      streamer, timer, self.packed_weights)
+                      streamer, timer)
 
 
 def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:

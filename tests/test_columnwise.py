@@ -4,8 +4,8 @@ columnwise_copy (see test_model_untouched for other threads)."""
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, columnwise
-from medusa_spec.columnwise import MAX_ROWS, PACKED_MIN_ROWS, PackedWeights, columnwise_copy, linear
+from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec.columnwise import MAX_ROWS, columnwise_copy, linear
 from tiny_models import VOCAB, tiny_model
 
 
@@ -98,10 +98,9 @@ def test_nothing_is_copied_unless_fp32_on_cpu():
 @pytest.mark.parametrize("head_type", ["medusa", "dependent"])
 def test_generate_runs_tree_and_heads_columnwise(head_type, monkeypatch):
     """The decoding loop really takes the column-wise path in every plain Linear (decoder layers, LM head,
-    heads); here without packed weights, which would take the 8-row passes."""
+    heads)."""
     model = tiny_model("llama")
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type=head_type))
-    mm.packed_weights = None
     weights = {id(m.weight) for m in mm.modules() if type(m) is torch.nn.Linear}
     products = spy_on_products(monkeypatch)
     ids = torch.randint(3, VOCAB, (2, 6))  # two rows, so the heads' products are column-wise too
@@ -109,79 +108,6 @@ def test_generate_runs_tree_and_heads_columnwise(head_type, monkeypatch):
     assert out.sequences.shape[1] == 12
     assert weights <= {weight for weight, _ in products}
     assert 8 in {columns for _, columns in products}  # tree passes of 4 nodes, two rows (the prefill: 16)
-
-
-def spy_on_packed(monkeypatch):
-    """Records (id of the packed copy, rows) of every packed product taken."""
-    products = []
-    original = columnwise.packed_linear
-    monkeypatch.setattr(columnwise, "packed_linear",
-                        lambda x, p, b=None: products.append((id(p), x.numel() // x.shape[-1])) or original(x, p, b))
-    return products
-
-
-@pytest.mark.parametrize("rows", [1, 2, 4, PACKED_MIN_ROWS, 8, 16, MAX_ROWS + 1])
-@pytest.mark.parametrize("bias", [True, False])
-def test_packed_product_equals_nn_linear_and_is_taken_for_one_row_and_wide_blocks(rows, bias, monkeypatch):
-    torch.manual_seed(rows)
-    layer = torch.nn.Linear(24, 40, bias=bias)
-    packed = PackedWeights().prepare(layer)[id(layer.weight)]
-    products = spy_on_packed(monkeypatch)
-    x3 = torch.randn(2, rows, 24)  # leading dimensions are kept
-    got = linear(x3, layer.weight, layer.bias, packed)
-    torch.testing.assert_close(got, layer(x3))
-    assert got.stride() == layer(x3).stride()
-    x = torch.randn(rows, 24)
-    torch.testing.assert_close(linear(x, layer.weight, layer.bias, packed), layer(x))
-    # 2-4 rows stay column-wise (as fast there); one row and PACKED_MIN_ROWS or more are packed.
-    assert [n for _, n in products] == ([2 * rows] if 2 * rows >= PACKED_MIN_ROWS else []) + (
-        [rows] if rows == 1 or rows >= PACKED_MIN_ROWS else [])
-
-
-def test_packed_copies_are_kept_and_made_again_when_a_weight_changes():
-    """A stale copy would verify against weights the model no longer has: output no longer the base model's."""
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    packed = PackedWeights()
-    first = packed.prepare(model)
-    assert set(first) == {id(model[0].weight), id(model[1].weight)}
-    assert packed.prepare(model)[id(model[0].weight)] is first[id(model[0].weight)]  # kept between calls
-    x = torch.randn(6, 8)
-    with torch.no_grad():
-        model[0].weight.mul_(2)  # in place, as an optimizer step
-        model[1].weight = torch.nn.Parameter(torch.randn(4, 8))  # another tensor
-    copy = columnwise_copy(model, packed)
-    torch.testing.assert_close(copy(x), model(x))
-    assert not any("packed_weight" in vars(m) for m in model)  # the copies live on the copy, never on the model
-
-
-def test_no_packed_copies_past_max_bytes_or_for_other_dtypes(monkeypatch):
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    assert PackedWeights(max_bytes=8 * 8 * 4 - 1).prepare(model) == {}
-    assert PackedWeights(max_bytes=0).prepare(model) == {}
-    assert PackedWeights().max_bytes <= columnwise.MAX_PACKED_BYTES  # the copy stays small by default
-    assert PackedWeights().prepare(model.double()) == {}
-    products = spy_on_packed(monkeypatch)
-    columnwise_copy(model.float(), PackedWeights(max_bytes=0))(torch.randn(6, 8))
-    assert not products
-
-
-def test_generate_takes_packed_products_and_keeps_its_output(monkeypatch):
-    """MedusaModel keeps packed copies: the 8-row verify passes (4 nodes, 2 rows) take them, the output is the
-    column-wise path's, and a second call packs nothing again."""
-    model = tiny_model("llama")
-    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type="dependent"))
-    ids = torch.randint(3, VOCAB, (2, 6))
-    mm.packed_weights = None
-    expected = mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=[[0], [1], [0, 0]]).sequences
-    mm.packed_weights = PackedWeights()
-    products = spy_on_packed(monkeypatch)
-    out = mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=[[0], [1], [0, 0]]).sequences
-    assert torch.equal(out, expected)
-    base_weights = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear}
-    assert len({p for p, n in products if n == 8}) == len(base_weights)
-    copies = dict(mm.packed_weights._copies)
-    mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=[[0], [1], [0, 0]])
-    assert all(mm.packed_weights._copies[k][3] is v[3] for k, v in copies.items())
 
 
 
