@@ -8,7 +8,8 @@ step by step as the loop would, without running it. Each step accepts what the h
 a source has a chain, what the chain gets right instead (at batch 1 a chain replaces the tree for that step, in as
 many rows: 3 tokens). Sources:
 
-- `prompt lookup`: the text's last 3 tokens seen before in the prompt or the answer so far (lookup.py's rule);
+- `prompt lookup`: lookup.py's own chain beside a tree (the text's last 3 tokens seen before in the prompt or the
+  answer so far);
 - `datastore`: the longest match of at least `--min-match` tokens (up to 8) in the distilled answers of `--data`
   (REST: the model's own earlier text), continued by the most frequent next token at each depth over its latest
   1,024 occurrences, only where at least `--min-share` of them agree on the first one; tried where prompt lookup
@@ -28,6 +29,7 @@ import torch
 
 from medusa_spec import MedusaModel, default_model
 from medusa_spec.base import inspect_base_model
+from medusa_spec.lookup import MIN_NGRAM_WITH_TREE, NgramIndex, lookup_chain
 from medusa_spec.train.data import read_conversations, tokenize_conversation
 from medusa_spec.train.load import load_model_and_tokenizer
 from medusa_spec.train.module import TrainModule
@@ -84,14 +86,6 @@ def ngram_hash(windows: np.ndarray) -> np.ndarray:
     return keys
 
 
-def prompt_lookup(context: list[int], n: int = 3) -> list[int]:
-    pattern = context[-n:]
-    for start in range(len(context) - n - 1, -1, -1):
-        if context[start: start + n] == pattern:
-            return context[start + n: start + n + CHAIN]
-    return []
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default=str(default_model.shipped_heads()))
@@ -125,12 +119,13 @@ def main() -> None:
             last = min(first + args.max_new_tokens, first + sum(example.loss_mask), len(x))
             for sources in ("tree", "tree + prompt lookup", "tree + prompt lookup + datastore"):
                 i, steps = first - 1, 0  # x[i] the last token committed; the step's root is x[i + 1]
+                index = NgramIndex(x[: i + 2])  # prompt lookup's own index of the text, as the loop keeps it
                 while i + 1 < last:
                     hit = [j < len(x) and int(t) == x[j] for j, t in ((i + 2, top2[i, 0, 0]), (i + 3, top2[i, 1, 0]),
                                                                      (i + 2, top2[i, 0, 1]))]
                     accepted = 2 if hit[0] and hit[1] else int(hit[0] or hit[2])
                     context = x[: i + 2]
-                    chain = prompt_lookup(context) if "prompt" in sources else []
+                    chain = (lookup_chain(index, [], CHAIN, MIN_NGRAM_WITH_TREE) if "prompt" in sources else [])
                     if not chain and "datastore" in sources:
                         chain = store.chain(context, args.min_share)
                     if chain:
@@ -139,6 +134,7 @@ def main() -> None:
                                 i + 2 + accepted]:
                             accepted += 1
                     steps += 1
+                    index.extend(x[i + 2: i + 3 + accepted])
                     i += 1 + accepted
                 totals[sources, "tokens"] += last - first
                 totals[sources, "steps"] += steps

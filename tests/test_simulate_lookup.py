@@ -1,4 +1,4 @@
-"""scripts/simulate_lookup.py's sources: the datastore's longest agreeing match, and prompt lookup's 3-token rule."""
+"""scripts/simulate_lookup.py's datastore: the longest agreeing match, continued by majority, within one answer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import simulate_lookup  # noqa: E402
-from simulate_lookup import Datastore, prompt_lookup  # noqa: E402
+from simulate_lookup import Datastore  # noqa: E402
 
 
 def test_datastore_continues_the_longest_match_by_majority():
@@ -26,7 +26,3 @@ def test_datastore_chain_runs_up_to_chain_tokens_along_the_agreeing_matches():
     answers = [[1, 2, 3, 4, 5, 10, 11, 12, 13]] * 2
     assert Datastore(answers, min_match=5).chain([1, 2, 3, 4, 5], 0.6) == [10, 11, 12][: simulate_lookup.CHAIN]
 
-
-def test_prompt_lookup_copies_after_the_latest_earlier_3_token_match():
-    assert prompt_lookup([1, 2, 3, 7, 8, 9, 1, 2, 3, 5, 6, 1, 2, 3]) == [5, 6, 1]
-    assert prompt_lookup([1, 2, 3, 4]) == []
