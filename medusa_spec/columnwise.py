@@ -87,9 +87,10 @@ class ColumnwiseLinear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
-def columnwise_copy(module: nn.Module | None) -> nn.Module | None:
+def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA) -> nn.Module | None:
     """A copy of `module`'s tree whose plain nn.Linear layers compute through `linear`, and whose sdpa attention
-    layers through `gqa_sdpa_attention`; the decoding loops run the base model, the heads and a draft model through
+    layers through `gqa_sdpa_attention` (or another registered attention function, `attention`: the data engine's
+    takes each block of rows' own width); the decoding loops run the base model, the heads and a draft model through
     one, made per generate call.
 
     Each submodule is copied shallowly with its own nn.Module containers (children, parameter and buffer
@@ -109,7 +110,7 @@ def columnwise_copy(module: nn.Module | None) -> nn.Module | None:
         if id(config) not in configs:
             configs[id(config)] = copy.copy(config)
             # Not the `_attn_implementation` setter: it would also set the sub-configs, which the copy shares.
-            vars(configs[id(config)])["_attn_implementation_internal"] = GQA_SDPA
+            vars(configs[id(config)])["_attn_implementation_internal"] = attention
         return configs[id(config)]
 
     def copy_tree(original: nn.Module) -> nn.Module:
@@ -126,8 +127,10 @@ def columnwise_copy(module: nn.Module | None) -> nn.Module | None:
         if type(original) is nn.Linear:
             clone.__class__ = ColumnwiseLinear
         config = vars(original).get("config")
-        if (getattr(original, "num_key_value_groups", 1) > 1 and isinstance(config, PreTrainedConfig)
-                and config._attn_implementation == "sdpa"):
+        # Attention layers: those with a (key/value) group size; GQA_SDPA changes only grouped ones.
+        groups = getattr(original, "num_key_value_groups", None)
+        if (groups is not None and (groups > 1 or attention != GQA_SDPA)
+                and isinstance(config, PreTrainedConfig) and config._attn_implementation == "sdpa"):
             vars(clone)["config"] = gqa_config(config)
         return clone
 

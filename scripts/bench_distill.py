@@ -3,6 +3,7 @@ engine (medusa_spec.train.engine) on the same prompts, each in fp32 and bf16, be
 bounds (memory bandwidth and GEMM rate, measured here). Answer tokens per second, one run.
 
 Run it with nothing else on the machine: python scripts/bench_distill.py [--prompts N] [--new N]
+[--methods generate engine one-block] [--dtypes float32 bfloat16]
 """
 
 from __future__ import annotations
@@ -70,10 +71,19 @@ def run_generate(model, tokenizer, asks, new, batch, eos) -> int:
     return count
 
 
-def run_engine(model, tokenizer, asks, new, batch, eos) -> int:
+def run_engine(model, tokenizer, asks, new, batch, eos, chunk_rows: int = 8) -> int:
     requests = deque(Request(i, a) for i, a in enumerate(sorted(asks, key=len, reverse=True)))
     return sum(len(t) for _, t in decode_stream(model, requests, eos, rows=batch, max_new_tokens=new,
-                                               pad_token_id=tokenizer.pad_token_id or 0))
+                                               pad_token_id=tokenizer.pad_token_id or 0, chunk_rows=chunk_rows))
+
+
+def run_engine_one_block(model, tokenizer, asks, new, batch, eos) -> int:
+    """The engine with every row in one attention block: each step reads all rows up to the longest one."""
+    return run_engine(model, tokenizer, asks, new, batch, eos, chunk_rows=batch)
+
+
+METHODS = {"generate": ("transformers generate", run_generate), "engine": ("medusa_spec engine", run_engine),
+           "one-block": ("medusa_spec engine, one attention block", run_engine_one_block)}
 
 
 def main() -> None:
@@ -81,15 +91,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--new", type=int, default=256, help="max new tokens per answer")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=["generate", "engine"])
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     args = parser.parse_args()
     path = default_model.prepare()
     tokenizer = AutoTokenizer.from_pretrained(path)
     print(json.dumps({"threads": torch.get_num_threads(), **machine_bounds()}))
     asks = prompts(tokenizer, args.prompts)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtypes):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         eos = eos_ids(model, tokenizer)
-        for name, run in (("transformers generate", run_generate), ("medusa_spec engine", run_engine)):
+        for name, run in (METHODS[m] for m in args.methods):
             start = time.perf_counter()
             with torch.inference_mode():
                 tokens = run(model, tokenizer, asks, args.new, args.batch, eos)
