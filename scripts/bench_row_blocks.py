@@ -70,6 +70,7 @@ def simulate(conversations: list[list[tuple[int, int]]], rows: int, chunk_rows: 
         fill(row)
     reads = dict.fromkeys(("one block", "blocks", "each row"), 0)
     resorts, snapshots, step = 0, [], 0
+    block_rows = torch.tensor([min(chunk_rows, rows - a) for a in range(0, rows, chunk_rows)])
     while len(queue) > rows:  # stop before the queue runs dry
         ends = length + 1
         if step >= warm_up:
@@ -81,7 +82,7 @@ def simulate(conversations: list[list[tuple[int, int]]], rows: int, chunk_rows: 
             length, left, turns = length[order], left[order], [turns[i] for i in order.tolist()]
             widths, resorts = _block_widths(length + 1, chunk_rows), resorts + (step >= warm_up)
         if step >= warm_up:
-            reads["blocks"] += chunk_rows * int(widths.sum())
+            reads["blocks"] += int((block_rows * widths).sum())
         if step in snapshot_steps:
             snapshots.append(length.sort(descending=True).values.tolist())
         length += 1
@@ -103,7 +104,8 @@ def time_step(model, lengths: list[int], chunk_rows: int, repeats: int = 5) -> d
     spec, config = inspect_base_model(model), model.config
     rows, capacity = len(lengths), max(lengths) + 2
     cache = Slots(config.num_hidden_layers, rows, capacity)
-    shape = (rows, config.num_key_value_heads, capacity, config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (rows, config.num_key_value_heads, capacity, head_dim)
     for layer in cache.layers:
         layer.keys, layer.values, layer.is_initialized = torch.randn(shape), torch.randn(shape), True
     start, columns = torch.tensor(lengths), torch.arange(capacity)

@@ -21,6 +21,10 @@ def test_columns_read_by_one_block_blocks_and_each_row_counted_by_hand():
     assert (reads, resorts, steps) == ({"one block": 2 * 11 + 2 * 12, "blocks": 16 + 18, "each row": 16 + 18}, 0, 2)
     reads, *_ = simulate(conversations, rows=2, chunk_rows=2, resort=False, warm_up=0)
     assert reads["blocks"] == reads["one block"] == 46
+    # Three rows in blocks of two: the last block has one row. Steps read 11, 5, 7 then 12, 6, 8 columns.
+    conversations = [[(10, 2)], [(4, 2)], [(6, 2)]] + [SHORT] * 4
+    reads, *_ = simulate(conversations, rows=3, chunk_rows=2, resort=False, warm_up=0)
+    assert reads == {"one block": 3 * 11 + 3 * 12, "blocks": 2 * 11 + 7 + 2 * 12 + 8, "each row": 23 + 26}
 
 
 def test_a_follow_up_turn_joins_its_row():

@@ -12,7 +12,7 @@ import torch
 
 from medusa_spec.accept import Sampling
 from medusa_spec.train.data import read_conversations
-from medusa_spec.train.engine import Request, decode_stream
+from medusa_spec.train.engine import GREEDY, Request, decode_stream
 from medusa_spec.train.store import ConversationStore, read_records
 from tiny_models import ARCHITECTURES, tiny_model
 
@@ -80,6 +80,41 @@ def test_rows_attend_per_block_and_move_with_their_cache_when_resorted(arch, mon
     assert moves and any(order != sorted(order) for order in moves)
     assert any(len({w for _, _, w in b}) > 1 for b in steps)  # blocks of different widths in one step
     assert all(b[0][:2] == (0, 2) and b[-1][1] == 6 for b in steps)
+
+
+def test_re_sorted_rows_keep_their_sampling_follow_up_columns_and_the_copied_prompt(monkeypatch):
+    """Rows 0-3 take A (2 tokens), C (40), B (2), P (30): blocks of two then read 41 + 31 columns against 41 + 3
+    sorted, so the rows are re-sorted to C, P, A, B. Then C ends and P asked again is copied from P's new row; A
+    ends and its next turn prefills only what A's new row lacks (3 tokens); B samples the whole distribution and A,
+    now in B's old row, stays greedy."""
+    from medusa_spec.train import engine
+
+    model = tiny_model("llama", lm_head_scale=1.0)
+    g = torch.Generator().manual_seed(11)
+    asks = {key: torch.randint(3, 96, (n,), generator=g).tolist() for key, n in (("A", 2), ("C", 40), ("B", 2),
+                                                                                  ("P", 30))}
+    asks["P again"] = asks["P"]
+    budget = {"A": 12, "C": 3, "B": 12, "P": 12, "P again": 6}
+    moves, prefills = [], []
+    reorder = engine.Slots.reorder
+    monkeypatch.setattr(engine.Slots, "reorder",
+                        lambda self, order, kept: moves.append(order) or reorder(self, order, kept))
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["input_ids"].shape[0] == 1)),
+        with_kwargs=True)
+    requests = deque(Request(key, asks[key], Sampling(True, 1.0) if key == "B" else GREEDY, budget[key])
+                     for key in budget)
+    answers = {}
+    for key, tokens in decode_stream(model, requests, set(), rows=4, max_new_tokens=12, capacity=64, chunk_rows=2):
+        answers[key] = tokens
+        if key == "A":
+            asks["A next"] = asks["A"] + tokens + [5, 6]
+            requests.appendleft(Request("A next", asks["A next"], max_new_tokens=4))
+    hook.remove()
+    assert moves[0] == [1, 3, 0, 2]
+    assert prefills == [2, 40, 2, 30, 3]  # "P again" copied, "A next" runs its last answer token and the message
+    for key in ("A", "C", "P", "P again", "A next"):
+        assert answers[key] == reference(model, asks[key], len(answers[key])), key
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

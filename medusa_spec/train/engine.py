@@ -15,7 +15,8 @@ A decoding step reads, per block of `chunk_rows` rows, the keys and values up to
 row up to the longest of all: with the recipe's mix of short and long conversations the rows held 28% of the columns
 the longest one spans (simulated from the distilled data), and attention was 61% of a 128-row step. Rows are kept
 about sorted by length (moved, with their cache, when the blocks would read 25% more than sorted ones), so a block
-holds rows of similar length.
+holds rows of similar length. The model runs as a columnwise.columnwise_copy (fp32 on CPU): its linear layers take
+2-64 rows (prefills, small batches) column-wise, which rounds as another matmul kernel would.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def row_blocks_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          **kwargs) -> tuple[torch.Tensor, None]:
     """sdpa attention (columnwise.gqa_sdpa_attention) taken per block of rows: `row_blocks` lists (first row, end
     row, width), and a block's rows attend to their first `width` columns only, the rest being masked for them
-    anyway. Without row_blocks (a prefill), one call."""
-    if row_blocks is None or attention_mask is None or query.shape[2] != 1:
+    anyway. Without row_blocks (a prefill), or with a per-row position bias (not sliced here), one call."""
+    if row_blocks is None or attention_mask is None or query.shape[2] != 1 or kwargs.get("position_bias") is not None:
         return gqa_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     return torch.cat([gqa_sdpa_attention(module, query[a:b], key[a:b, :, :w], value[a:b, :, :w],
                                          attention_mask[a:b, ..., :w], **kwargs)[0]
