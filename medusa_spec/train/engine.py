@@ -285,10 +285,10 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             blocks = {}
             if by_blocks:
                 widths = _block_widths(start + 1, chunk_rows)
-                if widths.sum() > RESORT_AT * _block_widths(start.sort(descending=True).values + 1, chunk_rows).sum():
-                    order = torch.argsort(start, descending=True, stable=True)
+                ordered, order = start.sort(descending=True, stable=True)
+                if widths.sum() > RESORT_AT * _block_widths(ordered + 1, chunk_rows).sum():
                     moved = order.tolist()
-                    cache.reorder(moved, torch.where(busy, length, 0).tolist())  # a free row holds nothing kept
+                    cache.reorder(moved, start.tolist())  # a free row (start 0) holds nothing kept
                     for per_row in (active, sampling, limit, watch, held):
                         per_row[:] = [per_row[i] for i in moved]
                     length, last, start, busy = length[order], last[order], start[order], busy[order]
