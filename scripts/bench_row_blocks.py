@@ -7,7 +7,7 @@ steady-state run of the recipe.
    in the same row, as distill runs them) go through `--rows` rows, a finished row taking the next at once; from
    step 600 on, the columns a step's attention reads are summed for every row up to the longest (one block), blocks
    of `--chunk-rows` rows, and each row up to its own length; once with rows left where they fall, once re-sorted by
-   the engine's rule.
+   the engine's rule (`resort_order`).
 2. A clock: one decoding step of SmolLM2-135M (fp32) at a few of those steps' row lengths (random keys and values),
    one block against sorted blocks, and the cost of re-sorting the rows' cache.
 
@@ -29,7 +29,7 @@ from medusa_spec import default_model
 from medusa_spec.base import inspect_base_model
 from medusa_spec.columnwise import columnwise_copy
 from medusa_spec.train.data import read_conversations, render
-from medusa_spec.train.engine import RESORT_AT, ROW_BLOCKS_SDPA, Slots, _block_widths
+from medusa_spec.train.engine import ROW_BLOCKS_SDPA, Slots, resort_order, row_blocks
 from medusa_spec.verify import layer_masks
 
 DATA = Path(__file__).resolve().parents[1] / "training" / "data" / "smollm2-135m-instruct"
@@ -70,19 +70,15 @@ def simulate(conversations: list[list[tuple[int, int]]], rows: int, chunk_rows: 
         fill(row)
     reads = dict.fromkeys(("one block", "blocks", "each row"), 0)
     resorts, snapshots, step = 0, [], 0
-    block_rows = torch.tensor([min(chunk_rows, rows - a) for a in range(0, rows, chunk_rows)])
     while len(queue) > rows:  # stop before the queue runs dry
-        ends = length + 1
-        if step >= warm_up:
-            reads["one block"] += rows * int(ends.max())
-            reads["each row"] += int(ends.sum())
-        widths = _block_widths(ends, chunk_rows)
-        if resort and widths.sum() > RESORT_AT * _block_widths(ends.sort(descending=True).values, chunk_rows).sum():
-            order = torch.argsort(ends, descending=True, stable=True)
+        order = resort_order(length, chunk_rows) if resort else None
+        if order is not None:
             length, left, turns = length[order], left[order], [turns[i] for i in order.tolist()]
-            widths, resorts = _block_widths(length + 1, chunk_rows), resorts + (step >= warm_up)
+            resorts += step >= warm_up
         if step >= warm_up:
-            reads["blocks"] += int((block_rows * widths).sum())
+            reads["one block"] += rows * (int(length.max()) + 1)
+            reads["blocks"] += sum((b - a) * w for a, b, w in row_blocks(length, chunk_rows))
+            reads["each row"] += int(length.sum()) + rows
         if step in snapshot_steps:
             snapshots.append(length.sort(descending=True).values.tolist())
         length += 1
@@ -115,9 +111,7 @@ def time_step(model, lengths: list[int], chunk_rows: int, repeats: int = 5) -> d
                        columns[None, :width], torch.float32)
     result = {}
     for name, size in (("one block", rows), (f"blocks of {chunk_rows}", chunk_rows)):
-        blocks = tuple((a, min(a + size, rows), w)
-                       for a, w in zip(range(0, rows, size), _block_widths(start + 1, size).tolist()))
-        times = []
+        blocks, times = row_blocks(start, size), []
         for _ in range(repeats + 1):
             cache.row, cache.start, cache.width = None, start, width
             begin = time.perf_counter()

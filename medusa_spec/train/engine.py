@@ -158,9 +158,21 @@ def _pick(logits: torch.Tensor, samplings: list[Sampling], generator) -> torch.T
     return tokens
 
 
-def _block_widths(ends: torch.Tensor, size: int) -> torch.Tensor:
-    """The columns each block of `size` consecutive rows reads: its rows' largest `ends`."""
-    return nn.functional.pad(ends, (0, -len(ends) % size)).view(-1, size).amax(1)
+def _block_widths(start: torch.Tensor, size: int) -> torch.Tensor:
+    """The columns each block of `size` consecutive rows reads: its rows' largest `start`, plus the new column."""
+    return nn.functional.pad(start + 1, (0, -len(start) % size)).view(-1, size).amax(1)
+
+
+def row_blocks(start: torch.Tensor, size: int) -> tuple[tuple[int, int, int], ...]:
+    """(first row, end row, columns read) per block of `size` consecutive rows writing at columns `start`."""
+    rows = len(start)
+    return tuple((a, min(a + size, rows), w) for a, w in zip(range(0, rows, size), _block_widths(start, size).tolist()))
+
+
+def resort_order(start: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The rows longest first, where their blocks would read RESORT_AT times less than now or fewer; else None."""
+    ordered, order = start.sort(descending=True, stable=True)
+    return order if _block_widths(start, size).sum() > RESORT_AT * _block_widths(ordered, size).sum() else None
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -284,9 +296,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             start = torch.where(busy, length, 0)
             blocks = {}
             if by_blocks:
-                widths = _block_widths(start + 1, chunk_rows)
-                ordered, order = start.sort(descending=True, stable=True)
-                if widths.sum() > RESORT_AT * _block_widths(ordered + 1, chunk_rows).sum():
+                order = resort_order(start, chunk_rows)
+                if order is not None:
                     moved = order.tolist()
                     cache.reorder(moved, start.tolist())  # a free row (start 0) holds nothing kept
                     for per_row in (active, sampling, limit, watch, held):
@@ -294,9 +305,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                     length, last, start, busy = length[order], last[order], start[order], busy[order]
                     if "row" in last_prefill:
                         last_prefill["row"] = moved.index(last_prefill["row"])
-                    widths = _block_widths(start + 1, chunk_rows)
-                blocks["row_blocks"] = tuple((a, min(a + chunk_rows, rows), w)
-                                             for a, w in zip(range(0, rows, chunk_rows), widths.tolist()))
+                blocks["row_blocks"] = row_blocks(start, chunk_rows)
             width = int(start.max()) + 1
             cache.row, cache.start, cache.width = None, start, width
             mask = layer_masks(spec, (columns[None, :width] <= start[:, None])[:, None, :], start[:, None],
