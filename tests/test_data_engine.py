@@ -117,6 +117,32 @@ def test_re_sorted_rows_keep_their_sampling_follow_up_columns_and_the_copied_pro
         assert answers[key] == reference(model, asks[key], len(answers[key])), key
 
 
+def test_re_sorted_rows_keep_their_loop_watch(monkeypatch):
+    """With stop_loops, each row's loop watch moves with it when rows are re-sorted: every answer is transformers'
+    greedy answer cut where its own loop began (repetition.loop_start), or its whole budget where it never loops.
+    A watch left behind reads another row's tokens and cuts there, or lets a loop run on."""
+    from medusa_spec.train import engine
+    from medusa_spec.train.repetition import loop_start
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(6)
+    asks = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (2, 50, 3, 45, 1, 40, 2, 35, 4, 30)]
+    limits = [90, 60, 90, 70, 90, 80, 90, 75, 90, 70]
+    moves = []
+    reorder = engine.Slots.reorder
+    monkeypatch.setattr(engine.Slots, "reorder",
+                        lambda self, order, kept: moves.append(order) or reorder(self, order, kept))
+    requests = deque(Request(i, ids, max_new_tokens=limits[i]) for i, ids in enumerate(asks))
+    got = dict(decode_stream(model, requests, {EOS}, rows=4, max_new_tokens=90, capacity=160, chunk_rows=2,
+                             stop_loops=True))
+    cut = 0
+    for i, ids in enumerate(asks):
+        expected = reference(model, ids, limits[i])
+        start = loop_start(expected)
+        cut += start is not None
+        assert got[i] == (expected if start is None else expected[:start]), i
+    assert len(moves) >= 2 and cut >= 4  # rows moved, and several answers were cut at their loops
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_next_turn_prefills_only_what_its_row_lacks(arch):
     """A conversation's next turn, added to the queue while rows run (as distill asks one), goes to the row that
