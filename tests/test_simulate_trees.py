@@ -1,0 +1,60 @@
+"""scripts/simulate_trees.py: the dynamic tree follows the heads' confidence; a step accepts the longest right path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from simulate_trees import accepted_length, dynamic_draft, tree_of  # noqa: E402
+
+VOCAB = 10
+
+
+class Heads:
+    """Two heads whose probabilities are tables: head k's by the last token on the path (the path's embedding here
+    is its token id)."""
+
+    num_heads = 2
+
+    def __init__(self, first: dict[int, float], second: dict[int, dict[int, float]]):
+        self.first, self.second = first, second
+
+    def head_logits(self, k, states, path_embeds, lm_head):
+        last = path_embeds[..., -1, 0].long()  # [B, n]
+        probs = torch.full((*last.shape, VOCAB), 1e-9)
+        for b, n in torch.cartesian_prod(torch.arange(last.shape[0]), torch.arange(last.shape[1])).tolist():
+            for token, p in (self.first if k == 0 else self.second.get(int(last[b, n]), {})).items():
+                probs[b, n, token] = p
+        return probs.log()
+
+    def token_ids(self, indices):
+        return indices
+
+
+def draft(heads, nodes):
+    return dynamic_draft(heads, lambda ids: ids.float()[..., None], None, torch.tensor([1]), torch.zeros(1, 4),
+                         nodes=nodes, top_k=3, beam=2)
+
+
+def test_a_confident_first_head_gets_a_chain_an_unsure_one_siblings():
+    confident = Heads({5: 0.9, 6: 0.06, 7: 0.04}, {5: {8: 0.9, 9: 0.1}})
+    tree, tokens = draft(confident, nodes=3)
+    assert tree.choices == ((0,), (0, 0)) and tokens.tolist() == [[1, 5, 8]]
+    unsure = Heads({5: 0.4, 6: 0.35, 7: 0.25}, {t: {8: 0.3, 9: 0.3, 3: 0.3} for t in (5, 6, 7)})
+    tree, tokens = draft(unsure, nodes=4)
+    assert tree.choices == ((0,), (1,), (2,)) and tokens.tolist() == [[1, 5, 6, 7]]
+    # A fourth node hangs off the best one: 0.4 * 0.3 beats 0.35 * 0.3.
+    tree, _ = draft(unsure, nodes=5)
+    assert tree.choices[:3] == ((0,), (1,), (2,)) and tree.choices[3][:1] == (0,)
+
+
+def test_a_step_accepts_the_deepest_path_the_text_continues():
+    tree = tree_of(((0,), (1,), (0, 0)))
+    tokens = torch.tensor([1, 5, 6, 8])  # root, [0] = 5, [1] = 6, [0, 0] = 8
+    assert accepted_length(tree, tokens, [5, 8, 2]) == 2
+    assert accepted_length(tree, tokens, [6, 8]) == 1  # 8 hangs off 5, not 6
+    assert accepted_length(tree, tokens, [7, 5]) == 0
+    assert accepted_length(tree, tokens, [5]) == 1  # the text ends
