@@ -717,6 +717,31 @@ def test_exclude_trains_heads_on_conversations_their_record_does_not_list(base_d
         train(small_run(base_dir, conversations, tmp_path / "refused", exclude=[str(tmp_path / "all.txt")]))
 
 
+def test_replay_trains_a_seeded_sample_of_the_excluded_conversations_beside_the_new_ones(base_dir, conversations,
+                                                                                          tmp_path):
+    messages = read_conversations(conversations)  # 24, each its own prompt
+    first = tmp_path / "first"
+    train(small_run(base_dir, conversations, first, max_conversations=6, batch_size=2, max_steps=2))
+    record = str(first / loop.TRAINED_ON)
+    replayed = loop.replay_sample(messages, [record], 2, seed=0)
+    assert len(replayed) == 2 and {loop.conversation_key(m) for m in replayed} <= loop.read_trained_on(record)
+    assert loop.replay_sample(messages, [record], 2, seed=0) == replayed != loop.replay_sample(messages, [record], 2,
+                                                                                              seed=1)
+    # Trained on from those heads over the 18 others (4 held out) and the 2 replayed: the same held-out rows, and the
+    # replayed answers in the loss on top of the 14 new ones'.
+    summaries = {n: train(small_run(base_dir, conversations, tmp_path / f"replay{n}", init_heads=str(first),
+                                    exclude=[record], replay=n, eval_examples=4, max_steps=2)) for n in (0, 2)}
+    _, tokenizer = load_model_and_tokenizer(base_dir)
+    replayed_tokens = sum(sum(tokenize_conversation(tokenizer, m).loss_mask) for m in replayed)
+    assert replayed_tokens > 0 and summaries[2]["eval_rows"] == summaries[0]["eval_rows"]
+    assert summaries[2]["answer_tokens_in_data"] == summaries[0]["answer_tokens_in_data"] + replayed_tokens
+    for overrides, error in [(dict(replay=2), "--replay 2 samples the conversations --exclude leaves out"),
+                             (dict(replay=7, exclude=[record]), "list only 6 beginnings .* give --replay 6 or less"),
+                             (dict(replay=-1, exclude=[record]), "--replay -1: give a number")]:
+        with pytest.raises(ValueError, match=error):
+            train(small_run(base_dir, conversations, tmp_path / "refused", **overrides))
+
+
 def test_teacher_targets_learn_the_base_from_answers_it_did_not_write(base_dir, tmp_path):
     """Answers of random words: their tokens say nothing about what comes next, but the counting base,
     reading them, still says the word after the last one, and dependent heads that read the path can

@@ -58,12 +58,13 @@ def train(cfg: TrainConfig) -> dict:
 
     # 1. Data (read first: a bad file fails before a big model loads) and base model. Trainable
     # weights stay fp32; the base takes the mixed-precision dtype.
-    conversations = [messages for path in cfg.data for messages in read_conversations(path)]
-    conversations = without_excluded(conversations, cfg.exclude, accelerator.print)
+    everything = [messages for path in cfg.data for messages in read_conversations(path)]
+    conversations = without_excluded(everything, cfg.exclude, accelerator.print)
+    replayed = replay_sample(everything, cfg.exclude, cfg.replay, cfg.seed, accelerator.print)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     base_model, tokenizer = load_model_and_tokenizer(cfg.model, dtype, cfg.plain_text)
     spec = inspect_base_model(base_model)
-    train_rows, eval_rows, trained_on = build_rows(tokenizer, conversations, cfg)
+    train_rows, eval_rows, trained_on = build_rows(tokenizer, conversations, cfg, replayed)
     # What the heads will have learned from: this run's sample plus what the initial heads had (read now: a bad
     # record fails before training, not after).
     if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
@@ -246,9 +247,10 @@ def _check_backend(accelerator, batch_size: int) -> None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch_size
 
 
-def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
+def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig, replayed: list[list[dict]] = ()):
     """Conversations -> (train rows, eval rows, the training sample's conversation keys); the held-out
-    conversations are a seeded sample."""
+    conversations are a seeded sample. `replayed` conversations train beside the sample (the rows are shuffled
+    each epoch), never held out."""
     if cfg.eval_examples >= len(conversations):
         raise ValueError(f"--eval-examples {cfg.eval_examples} leaves nothing to train on: the data holds "
                          f"{len(conversations)} conversations{' not excluded' if cfg.exclude else ''}; lower "
@@ -257,11 +259,12 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig):
         raise ValueError(f"--max-conversations {cfg.max_conversations}: give at least 1, or leave it out to train on "
                          f"every conversation")
     train, held_out = split_held_out(conversations, cfg.eval_examples, cfg.seed, cfg.max_conversations)
+    train = [conversations[i] for i in train] + list(replayed)
     rows = []
-    for part in (train, held_out):
-        examples = [tokenize_conversation(tokenizer, conversations[i], cfg.keep_loops) for i in part]
+    for part in (train, [conversations[i] for i in held_out]):
+        examples = [tokenize_conversation(tokenizer, messages, cfg.keep_loops) for messages in part]
         rows.append(make_rows(examples, cfg.max_length, cfg.pack))
-    return rows[0], rows[1], {conversation_key(conversations[i]) for i in train}
+    return rows[0], rows[1], {conversation_key(messages) for messages in train}
 
 
 # ---------------------------------------------------------------- which conversations a run learned from
@@ -314,6 +317,30 @@ def without_excluded(conversations: list[list[dict]], exclude: list[str], report
         raise ValueError(f"--exclude leaves none of the {len(conversations)} conversations of --data: every one was "
                          f"trained on already; distill more, or drop --exclude to train on them again")
     return kept
+
+
+def replay_sample(conversations: list[list[dict]], exclude: list[str], replay: int, seed: int,
+                  report=print) -> list[list[dict]]:
+    """The conversations that begin as `replay` of the beginnings the `exclude` files list (a seeded sample of
+    those in `conversations`): earlier data trained again beside new data, so that heads do not forget it."""
+    if replay < 0:
+        raise ValueError(f"--replay {replay}: give a number of conversation beginnings >= 0")
+    if not replay:
+        return []
+    if not exclude:
+        raise ValueError(f"--replay {replay} samples the conversations --exclude leaves out; give --exclude with the "
+                         f"trained_conversations.txt of the heads you train on")
+    excluded = set().union(*(read_trained_on(path) for path in exclude))
+    listed = sorted({conversation_key(m) for m in conversations} & excluded)
+    if replay > len(listed):
+        raise ValueError(f"--replay {replay}: the --exclude files list only {len(listed)} beginnings of --data's "
+                         f"conversations; give --replay {len(listed)} or less")
+    order = torch.randperm(len(listed), generator=torch.Generator().manual_seed(seed)).tolist()
+    sample = {listed[i] for i in order[:replay]}
+    replayed = [m for m in conversations if conversation_key(m) in sample]
+    report(f"--replay: {len(replayed)} conversations that begin as {replay} of the {len(listed)} listed beginnings "
+           f"train again")
+    return replayed
 
 
 def split_held_out(conversations: list[list[dict]], eval_examples: int, seed: int,

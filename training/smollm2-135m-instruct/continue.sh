@@ -4,7 +4,10 @@
 # beside them does not list; the held-out 40 left out), then the tree and the copy to heads/. Rerun it, with a new
 # RUN_DIR, as the data grows: each run adds its sample to the list it copies there. One pass: no hidden-state cache,
 # the base runs once per row anyway. 2,400 conversations (1,610 rows of 512 tokens) took 73 minutes on a 2-core AVX2
-# CPU at 137-168 tokens/s. Killed? Rerun with RESUME=--resume.
+# CPU at 137-168 tokens/s. Killed? Rerun with RESUME=--resume. REPLAY=N also trains on the conversations beginning as
+# N of those the list names (a seeded sample), so the heads keep what they learned; LR sets the peak learning rate.
+# Run 7 of the card came before --replay (its own exclude file); REPLAY=1600 LR=5e-4 MAX_CONVERSATIONS=100000 does the
+# same with another seeded sample.
 # Run it after train.sh, whose heads it reads from heads/ (HEADS); it replaces them there with the ones it trains.
 # (Its first run, before --exclude existed, sampled all conversations: 664 of its 2,400 were train.sh's too.)
 # Usage: bash continue.sh [HEADS] [DATA] [RUN_DIR]
@@ -15,7 +18,8 @@ DATA=${2:-$ROOT/training/data/smollm2-135m-instruct}
 RUN=${3:-runs/smollm2-dependent-continued}
 medusa-spec train --data "$DATA" --output "$RUN" ${RESUME:-} --init-heads "$HEADS" --exclude "$HEADS/trained_conversations.txt" \
   --max-length 512 --batch-size 4 \
-  --max-conversations "${MAX_CONVERSATIONS:-2400}" --epochs 1 --lr 1e-3 --warmup-steps 20 --eval-examples 40 \
+  --max-conversations "${MAX_CONVERSATIONS:-2400}" --replay "${REPLAY:-0}" --epochs 1 --lr "${LR:-1e-3}" \
+  --warmup-steps 20 --eval-examples 40 \
   --eval-ranks 8 --save-every 40 --log-every 5 --eval-every 200
 medusa-spec tree --heads "$RUN" --nodes 8
 if [ -z "${NO_SHIP:-}" ]; then
