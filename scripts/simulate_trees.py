@@ -7,7 +7,8 @@ scripts/compare_heads.py keeps them) are decoded step by step as the loop would,
 the base's hidden state before each step's root and draft; the step accepts the longest path of the tree that the
 answer continues, then moves on past it and the bonus token. Trees, at each node count (root included):
 
-- `static`: the one `medusa-spec tree` grows from the adapter's stored rank accuracies (what decoding uses);
+- `static`: the one `medusa-spec tree` grows from the adapter's stored rank accuracies (the adapter's default tree
+  is such a tree; `--tree auto` picks its size from timings);
 - `dynamic` (EAGLE-2): chosen anew each step from the heads' own confidence. Each level's `--beam` best nodes (by
   the log-probability of their path, the product of the heads' probabilities along it) take their `--top-k`
   children; the tree is then the node count's best candidates by that score. A child never scores above its
@@ -61,9 +62,11 @@ def dynamic_draft(heads, embed, lm_head, root: torch.Tensor, last_hidden: torch.
         paths = torch.cat([paths[:, kept // top_k], child_tokens[:, kept, None]], dim=2)
         scores = child_scores[:, kept]
         rank_paths = [child_paths[i] for i in kept.tolist()]
-    score = torch.cat(path_scores, 1).mean(0)
-    score = score - 1e-6 * torch.tensor([len(path) for path in candidates])  # a tie goes to the parent
-    picked = {candidates[i]: i for i in score.topk(min(nodes - 1, len(candidates))).indices.tolist()}
+    score = torch.cat(path_scores, 1).mean(0).tolist()
+    # Best first. A child that ties its parent (a probability that rounds to 1) comes after it: the sort is stable and
+    # candidates are listed level by level.
+    best = sorted(range(len(candidates)), key=lambda i: -score[i])[: nodes - 1]
+    picked = {candidates[i]: i for i in best}
     tree = tree_of(tuple(sorted(picked, key=lambda path: (len(path), path))))
     node_tokens = torch.cat([root[:, None], torch.cat(tokens, 1)[:, [picked[path] for path in tree.choices]]], 1)
     return tree, node_tokens
@@ -96,7 +99,10 @@ def main() -> None:
     embed, lm_head = base.get_input_embeddings(), base.get_output_embeddings()
     accuracy = MedusaConfig.from_json_file(f"{args.heads}/medusa_config.json").metrics["eval"]["rank_accuracy"]
     static = {n: build_tree(grow_tree(accuracy, n)) for n in args.nodes}
-    drafts = {**{f"static {n}": functools.partial(draft_with_heads, heads, base, tree=static[n]) for n in args.nodes},
+    def static_draft(root, last_hidden, tree):
+        return tree, draft_with_heads(heads, base, root, last_hidden, tree)
+
+    drafts = {**{f"static {n}": functools.partial(static_draft, tree=static[n]) for n in args.nodes},
               **{f"dynamic {n}": functools.partial(dynamic_draft, heads, embed, lm_head, nodes=n, top_k=args.top_k,
                                                    beam=args.beam) for n in args.nodes}}
     for path in args.answers:
@@ -114,8 +120,7 @@ def main() -> None:
                     i = first - 1  # x[i] the last token committed; the step's root is x[i + 1]
                     while i + 1 < last:
                         root = torch.tensor([x[i + 1]])
-                        out = draft(root=root, last_hidden=hidden[i][None])
-                        tree, node_tokens = (static[int(name.split()[1])], out) if name.startswith("static") else out
+                        tree, node_tokens = draft(root=root, last_hidden=hidden[i][None])
                         i += 1 + min(accepted_length(tree, node_tokens[0], x[i + 2:]), last - i - 2)
                         steps[name] += 1
         print(json.dumps({"answers": path, "heads": args.heads, "tokens": tokens,

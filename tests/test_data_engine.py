@@ -143,6 +143,7 @@ def test_re_sorted_rows_keep_their_loop_watch(monkeypatch):
         assert got[i] == (expected if start is None else expected[:start]), i
     assert len(moves) >= 2 and cut >= 4  # rows moved, and several answers were cut at their loops
 
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_next_turn_prefills_only_what_its_row_lacks(arch):
     """A conversation's next turn, added to the queue while rows run (as distill asks one), goes to the row that

@@ -49,6 +49,10 @@ def test_a_confident_first_head_gets_a_chain_an_unsure_one_siblings():
     # A fourth node hangs off the best one: 0.4 * 0.3 beats 0.35 * 0.3.
     tree, _ = draft(unsure, nodes=5)
     assert tree.choices[:3] == ((0,), (1,), (2,)) and tree.choices[3][:1] == (0,)
+    # A child as likely as its parent (probability 1) comes after it; node tokens follow the tree's node order
+    # (by depth), not the order the nodes were picked in ([0, 0] before [1]).
+    tree, tokens = draft(Heads({5: 0.6, 6: 0.4}, {5: {8: 1.0}, 6: {9: 0.1}}), nodes=4)
+    assert tree.choices == ((0,), (1,), (0, 0)) and tokens.tolist() == [[1, 5, 6, 8]]
 
 
 def test_a_step_accepts_the_deepest_path_the_text_continues():

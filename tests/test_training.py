@@ -717,27 +717,43 @@ def test_exclude_trains_heads_on_conversations_their_record_does_not_list(base_d
         train(small_run(base_dir, conversations, tmp_path / "refused", exclude=[str(tmp_path / "all.txt")]))
 
 
-def test_replay_trains_a_seeded_sample_of_the_excluded_conversations_beside_the_new_ones(base_dir, conversations,
-                                                                                          tmp_path):
+def test_replay_trains_a_seeded_sample_of_what_the_heads_learned_beside_the_new_conversations(
+        base_dir, conversations, tmp_path, monkeypatch):
     messages = read_conversations(conversations)  # 24, each its own prompt
     first = tmp_path / "first"
     train(small_run(base_dir, conversations, first, max_conversations=6, batch_size=2, max_steps=2))
     record = str(first / loop.TRAINED_ON)
-    replayed = loop.replay_sample(messages, [record], 2, seed=0)
-    assert len(replayed) == 2 and {loop.conversation_key(m) for m in replayed} <= loop.read_trained_on(record)
-    assert loop.replay_sample(messages, [record], 2, seed=0) == replayed != loop.replay_sample(messages, [record], 2,
-                                                                                              seed=1)
-    # Trained on from those heads over the 18 others (4 held out) and the 2 replayed: the same held-out rows, and the
-    # replayed answers in the loss on top of the 14 new ones'.
-    summaries = {n: train(small_run(base_dir, conversations, tmp_path / f"replay{n}", init_heads=str(first),
-                                    exclude=[record], replay=n, eval_examples=4, max_steps=2)) for n in (0, 2)}
+    learned = loop.read_trained_on(record)
+    replayed = loop.replay_sample(messages, [record], str(first), 2, seed=0)
+    assert len(replayed) == 2 and {loop.conversation_key(m) for m in replayed} <= learned
+    assert loop.replay_sample(messages, [record], str(first), 2, seed=0) == replayed != loop.replay_sample(
+        messages, [record], str(first), 2, seed=1)
+    # An exclude file may list more than the heads learned (another run's held-out set): those are never replayed.
+    unseen = tmp_path / "unseen.txt"
+    unseen.write_text("".join(f"{loop.conversation_key(m)}\n" for m in messages))
+    assert {loop.conversation_key(m) for m in loop.replay_sample(messages, [record, str(unseen)], str(first), 6,
+                                                                 seed=0)} == learned
+
+    # Trained on from those heads over the 18 others (4 held out) and the 2 replayed: the held-out rows are the ones
+    # a run without replay holds out, and the training rows are that run's plus the replayed conversations.
+    rows = {}
+    make_rows = loop.make_rows
+    monkeypatch.setattr(loop, "make_rows", lambda examples, *args: rows.setdefault(replay, []).append(
+        [tuple(e.input_ids) for e in examples]) or make_rows(examples, *args))
     _, tokenizer = load_model_and_tokenizer(base_dir)
-    replayed_tokens = sum(sum(tokenize_conversation(tokenizer, m).loss_mask) for m in replayed)
-    assert replayed_tokens > 0 and summaries[2]["eval_rows"] == summaries[0]["eval_rows"]
-    assert summaries[2]["answer_tokens_in_data"] == summaries[0]["answer_tokens_in_data"] + replayed_tokens
-    for overrides, error in [(dict(replay=2), "--replay 2 samples the conversations --exclude leaves out"),
-                             (dict(replay=7, exclude=[record]), "list only 6 beginnings .* give --replay 6 or less"),
-                             (dict(replay=-1, exclude=[record]), "--replay -1: give a number")]:
+    for replay in (0, 2):
+        summary = train(small_run(base_dir, conversations, tmp_path / f"replay{replay}", init_heads=str(first),
+                                  exclude=[record], replay=replay, eval_examples=4, max_steps=2))
+        assert summary["replayed_conversations"] == replay
+    (new, held_out), (with_replay, held_out_too) = rows[0], rows[2]
+    ids = [tuple(tokenize_conversation(tokenizer, m).input_ids) for m in replayed]
+    assert len(held_out) == 4 and held_out_too == held_out and not set(ids) & set(held_out)
+    assert with_replay == new + ids
+    for overrides, error in [(dict(replay=2, exclude=[record]), "give --init-heads with the adapter"),
+                             (dict(replay=2, init_heads=str(first)), "give --init-heads with the adapter"),
+                             (dict(replay=7, exclude=[record], init_heads=str(first)),
+                              "only 6 beginnings .* give --replay 6 or less"),
+                             (dict(replay=-1), "--replay -1: give a number")]:
         with pytest.raises(ValueError, match=error):
             train(small_run(base_dir, conversations, tmp_path / "refused", **overrides))
 

@@ -43,9 +43,9 @@ class TrainConfig:
                                 "trained_conversations.txt every run writes beside its adapter (e.g. the one "
                                 "--init-heads came with), so heads trained on learn from answers they have not seen "
                                 "and are measured on others; a conversation beginning as a listed one is left out too")
-    replay: int = option(0, "with --exclude: also train on the conversations beginning as N of the listed ones (a "
-                         "seeded sample), mixed in with the rest, so heads trained on new data keep what they learned "
-                         "from the old (a replay); they are never held out")
+    replay: int = option(0, "with --init-heads and --exclude its trained_conversations.txt: also train on the "
+                         "conversations beginning as N of those the heads learned from (a seeded sample), mixed in "
+                         "with the new ones, so the heads keep what they learned (a replay); never held out")
     head_decay: float = option(0.8, "weight decay^k of head k in the heads' loss")
     heads_target: str = option("tokens", "what the heads learn at each position: tokens, the data's token "
                                "(cross-entropy); teacher, the base model's whole next-token distribution there "

@@ -60,7 +60,7 @@ def train(cfg: TrainConfig) -> dict:
     # weights stay fp32; the base takes the mixed-precision dtype.
     everything = [messages for path in cfg.data for messages in read_conversations(path)]
     conversations = without_excluded(everything, cfg.exclude, accelerator.print)
-    replayed = replay_sample(everything, cfg.exclude, cfg.replay, cfg.seed, accelerator.print)
+    replayed = replay_sample(everything, cfg.exclude, cfg.init_heads, cfg.replay, cfg.seed, accelerator.print)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     base_model, tokenizer = load_model_and_tokenizer(cfg.model, dtype, cfg.plain_text)
     spec = inspect_base_model(base_model)
@@ -199,6 +199,7 @@ def train(cfg: TrainConfig) -> dict:
     summary = {"mode": cfg.mode, "start_step": start_step, "steps": max_steps, "train_rows": len(train_rows),
                "eval_rows": len(eval_rows), "answer_tokens_seen": seen,
                "answer_tokens_in_data": sum(sum(e.loss_mask) for row in train_rows for e in row),
+               "replayed_conversations": len(replayed),
                "final_loss": last_loss, **vocab_summary}
     if accelerator.is_main_process:
         medusa.config = dataclasses.replace(medusa.config, metrics={"eval": metrics, "train": summary})
@@ -319,27 +320,30 @@ def without_excluded(conversations: list[list[dict]], exclude: list[str], report
     return kept
 
 
-def replay_sample(conversations: list[list[dict]], exclude: list[str], replay: int, seed: int,
-                  report=print) -> list[list[dict]]:
-    """The conversations that begin as `replay` of the beginnings the `exclude` files list (a seeded sample of
-    those in `conversations`): earlier data trained again beside new data, so that heads do not forget it."""
+def replay_sample(conversations: list[list[dict]], exclude: list[str], init_heads: str | None, replay: int,
+                  seed: int, report=print) -> list[list[dict]]:
+    """The conversations that begin as `replay` of the beginnings the heads of `init_heads` learned from (their
+    TRAINED_ON file) and `exclude` leaves out: a seeded sample, trained again beside new data so that the heads do
+    not forget it. Only what the heads learned: an exclude file may also list conversations kept unseen on purpose
+    (another run's held-out set)."""
     if replay < 0:
         raise ValueError(f"--replay {replay}: give a number of conversation beginnings >= 0")
     if not replay:
         return []
-    if not exclude:
-        raise ValueError(f"--replay {replay} samples the conversations --exclude leaves out; give --exclude with the "
-                         f"trained_conversations.txt of the heads you train on")
-    excluded = set().union(*(read_trained_on(path) for path in exclude))
-    listed = sorted({conversation_key(m) for m in conversations} & excluded)
+    record = Path(init_heads or "") / TRAINED_ON
+    if init_heads is None or not record.is_file() or not exclude:
+        raise ValueError(f"--replay {replay} trains heads again on conversations they learned from: give --init-heads "
+                         f"with the adapter whose {TRAINED_ON} lists them, and --exclude that file")
+    learned = read_trained_on(record, "--init-heads") & set().union(*(read_trained_on(path) for path in exclude))
+    listed = sorted({conversation_key(m) for m in conversations} & learned)
     if replay > len(listed):
-        raise ValueError(f"--replay {replay}: the --exclude files list only {len(listed)} beginnings of --data's "
-                         f"conversations; give --replay {len(listed)} or less")
+        raise ValueError(f"--replay {replay}: {record} and --exclude have only {len(listed)} beginnings of --data's "
+                         f"conversations in common; give --replay {len(listed)} or less")
     order = torch.randperm(len(listed), generator=torch.Generator().manual_seed(seed)).tolist()
     sample = {listed[i] for i in order[:replay]}
     replayed = [m for m in conversations if conversation_key(m) in sample]
-    report(f"--replay: {len(replayed)} conversations that begin as {replay} of the {len(listed)} listed beginnings "
-           f"train again")
+    report(f"--replay: {len(replayed)} conversations, beginning as {replay} of the {len(listed)} beginnings the "
+           f"initial heads learned from, train again")
     return replayed
 
 

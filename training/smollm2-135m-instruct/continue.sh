@@ -5,9 +5,10 @@
 # RUN_DIR, as the data grows: each run adds its sample to the list it copies there. One pass: no hidden-state cache,
 # the base runs once per row anyway. 2,400 conversations (1,610 rows of 512 tokens) took 73 minutes on a 2-core AVX2
 # CPU at 137-168 tokens/s. Killed? Rerun with RESUME=--resume. REPLAY=N also trains on the conversations beginning as
-# N of those the list names (a seeded sample), so the heads keep what they learned; LR sets the peak learning rate.
-# Run 7 of the card came before --replay (its own exclude file); REPLAY=1600 LR=5e-4 MAX_CONVERSATIONS=100000 does the
-# same with another seeded sample.
+# N of those the heads learned from (`--replay`, a seeded sample; the run takes longer by their rows), so the heads
+# keep what they learned; LR sets the peak learning rate. The card's run 7 came before --replay and ran its own command
+# (the card's recipe); REPLAY=1600 LR=5e-4 MAX_CONVERSATIONS=100000 with run 5's heads as HEADS comes closest, with
+# another sample, its 40 held out from the new conversations only, and no other run's held-out set kept out.
 # Run it after train.sh, whose heads it reads from heads/ (HEADS); it replaces them there with the ones it trains.
 # (Its first run, before --exclude existed, sampled all conversations: 664 of its 2,400 were train.sh's too.)
 # Usage: bash continue.sh [HEADS] [DATA] [RUN_DIR]
