@@ -58,6 +58,8 @@ def dynamic_draft(heads, embed, lm_head, root: torch.Tensor, last_hidden: torch.
         candidates += child_paths
         tokens.append(child_tokens)
         path_scores.append(child_scores)
+        if d == heads.num_heads:
+            break  # no head below the deepest level
         kept = child_scores.mean(0).topk(min(beam, len(child_paths))).indices
         paths = torch.cat([paths[:, kept // top_k], child_tokens[:, kept, None]], dim=2)
         scores = child_scores[:, kept]
