@@ -671,6 +671,24 @@ def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_voca
     config = MedusaConfig.from_json_file(still / "medusa_config.json")
     assert (config.head_type, config.draft_vocab_size, config.num_heads, config.tree) == ("dependent", 16, 3, None)
 
+    # --feature-layers on heads that fuse none: they take fusion on and start as they were (same guesses, every
+    # weight kept, the new projection at zero), then learn it; heads that fuse other layers are refused.
+    plain = train(small_run(base_dir, fewer, tmp_path / "plain", init_heads=str(first), lr=0.0, max_steps=1,
+                            eval_examples=4))
+    fused = train(small_run(base_dir, fewer, tmp_path / "fused", init_heads=str(first), lr=0.0, max_steps=1,
+                            eval_examples=4, feature_layers=[1]))
+    assert fused["eval"]["rank_accuracy"] == plain["eval"]["rank_accuracy"]
+    kept = load_file(tmp_path / "fused" / "medusa_heads.safetensors")
+    assert all(torch.equal(saved[k], kept[k]) for k in saved) and set(kept) - set(saved) == {"fuse.weight", "fuse.bias"}
+    assert not kept["fuse.weight"].any()
+    assert MedusaConfig.from_json_file(tmp_path / "fused" / "medusa_config.json").feature_layers == [1]
+    train(small_run(base_dir, fewer, tmp_path / "fusing", init_heads=str(first), max_steps=2, eval_examples=4,
+                       feature_layers=[1]))
+    assert load_file(tmp_path / "fusing" / "medusa_heads.safetensors")["fuse.weight"].any()
+    with pytest.raises(ValueError, match="--feature-layers \\[1\\], but --feature-layers \\[2\\] was given"):
+        train(small_run(base_dir, fewer, tmp_path / "refused", init_heads=str(tmp_path / "fused"),
+                               eval_examples=4, feature_layers=[2]))
+
     # Training on from the saved heads starts at the loss they ended with, not at a fresh start's.
     train(small_run(base_dir, conversations, tmp_path / "more", init_heads=str(first), max_steps=1, log_every=1))
     losses = {run: [r["loss"] for r in map(json.loads, (tmp_path / run / "train_log.jsonl").read_text().splitlines())

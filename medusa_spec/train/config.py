@@ -29,7 +29,8 @@ class TrainConfig:
                                 "text so far, with each position's next token; e.g. hidden_size / 64); 0: none")
     feature_layers: list[int] = option([], "decoder layers (1 = the first; 0 = the embeddings) whose hidden states the "
                                        "heads read beside the final one, through a learned projection (EAGLE-3's "
-                                       "feature fusion; e.g. a low and a middle layer: 8 16 of 30); default: none")
+                                       "feature fusion; e.g. a low and a middle layer: 8 16 of 30); with --init-heads "
+                                       "whose heads fuse none, they take it on, starting as they were; default: none")
     draft_layer_mlp: int | None = option(None, "eagle heads: the draft layer's MLP width (a narrower one drafts "
                                          "faster on CPUs); default: the base model's")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
@@ -37,8 +38,8 @@ class TrainConfig:
     init_heads: str | None = option(None, "start from the heads of a saved adapter (this library's format, the "
                                     "original Medusa's or vLLM's) and train them on, e.g. on data they have not "
                                     "seen; their architecture and draft vocabulary are kept (head flags that set "
-                                    "another are refused); their tree is dropped, for `medusa-spec tree` to grow "
-                                    "one from the new accuracies")
+                                    "another are refused, but --feature-layers adds fusion to heads without); their "
+                                    "tree is dropped, for `medusa-spec tree` to grow one from the new accuracies")
     exclude: list[str] = option([], "leave out the conversations listed in these files: the "
                                 "trained_conversations.txt every run writes beside its adapter (e.g. the one "
                                 "--init-heads came with), so heads trained on learn from answers they have not seen "
