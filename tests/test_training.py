@@ -683,11 +683,11 @@ def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_voca
     assert not kept["fuse.weight"].any()
     assert MedusaConfig.from_json_file(tmp_path / "fused" / "medusa_config.json").feature_layers == [1]
     train(small_run(base_dir, fewer, tmp_path / "fusing", init_heads=str(first), max_steps=2, eval_examples=4,
-                       feature_layers=[1]))
+                    feature_layers=[1]))
     assert load_file(tmp_path / "fusing" / "medusa_heads.safetensors")["fuse.weight"].any()
     with pytest.raises(ValueError, match="--feature-layers \\[1\\], but --feature-layers \\[2\\] was given"):
         train(small_run(base_dir, fewer, tmp_path / "refused", init_heads=str(tmp_path / "fused"),
-                               eval_examples=4, feature_layers=[2]))
+                        eval_examples=4, feature_layers=[2]))
 
     # Training on from the saved heads starts at the loss they ended with, not at a fresh start's.
     train(small_run(base_dir, conversations, tmp_path / "more", init_heads=str(first), max_steps=1, log_every=1))

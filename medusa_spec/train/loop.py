@@ -227,7 +227,7 @@ def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainCon
               "draft_layer_mlp": draft_layer_mlp}
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(TrainConfig)}
-    grow = cfg.feature_layers and not config.feature_layers
+    grow = bool(cfg.feature_layers) and not config.feature_layers
     for name, value in theirs.items():
         given = getattr(cfg, name)
         if name == "feature_layers" and grow:
