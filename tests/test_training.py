@@ -695,8 +695,21 @@ def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_voca
                     if "loss" in r] for run in ("first", "more")}
     assert losses["more"][0] < 1.5 * losses["first"][-1] and losses["first"][0] > 5 * losses["first"][-1], losses
 
-    with pytest.raises(ValueError, match="--num-layers 1, but --num-layers 2 was given"):
-        train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(first), num_layers=2))
+    # A larger --num-layers: residual blocks added after theirs, at zero, so the heads start as they were (same
+    # guesses, every weight kept), then learn them; fewer blocks than the heads have are refused.
+    deeper = train(small_run(base_dir, fewer, tmp_path / "deeper", init_heads=str(first), lr=0.0, max_steps=1,
+                             eval_examples=4, num_layers=3))
+    assert deeper["eval"]["rank_accuracy"] == plain["eval"]["rank_accuracy"]
+    kept = load_file(tmp_path / "deeper" / "medusa_heads.safetensors")
+    added = {f"blocks.{h}.layers.{layer}.{w}" for h in range(3) for layer in (1, 2) for w in ("weight", "bias")}
+    assert all(torch.equal(saved[k], kept[k]) for k in saved) and set(kept) - set(saved) == added
+    assert not any(kept[k].any() for k in added)
+    assert MedusaConfig.from_json_file(tmp_path / "deeper" / "medusa_config.json").num_layers == 3
+    train(small_run(base_dir, fewer, tmp_path / "deepening", init_heads=str(first), max_steps=2, eval_examples=4,
+                    num_layers=2))
+    assert load_file(tmp_path / "deepening" / "medusa_heads.safetensors")["blocks.0.layers.1.weight"].any()
+    with pytest.raises(ValueError, match="--num-layers 3, but --num-layers 2 was given \\(fewer residual blocks"):
+        train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(tmp_path / "deeper"), num_layers=2))
     (first / "lora").mkdir()
     with pytest.raises(ValueError, match="Medusa-2 LoRA adapter"):
         train(small_run(base_dir, conversations, tmp_path / "lora", init_heads=str(first)))

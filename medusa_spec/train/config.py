@@ -19,7 +19,8 @@ class TrainConfig:
     mode: str = option("medusa1", "medusa1: frozen base, heads only; medusa2: LoRA on the base too",
                        choices=("medusa1", "medusa2"))
     num_heads: int = option(4, "number of heads (head k predicts the token k + 2 ahead)")
-    num_layers: int = option(1, "residual blocks per head")
+    num_layers: int = option(1, "residual blocks per head (with --init-heads: more than theirs adds blocks after "
+                             "theirs, starting at zero)")
     share_lm_head: bool = option(True, "project through the base LM head (no per-head vocabulary matrix)")
     head_type: str = option("medusa", "medusa: heads read the hidden state; dependent (Hydra-style): also the "
                             "embeddings of the tokens on the path before their guess; eagle: a draft layer (one "
@@ -38,7 +39,8 @@ class TrainConfig:
     init_heads: str | None = option(None, "start from the heads of a saved adapter (this library's format, the "
                                     "original Medusa's or vLLM's) and train them on, e.g. on data they have not "
                                     "seen; their architecture and draft vocabulary are kept (head flags that set "
-                                    "another are refused, but --feature-layers adds fusion to heads without); their "
+                                    "another are refused, but --feature-layers adds fusion to heads without, and a "
+                                    "larger --num-layers adds residual blocks after theirs); their "
                                     "tree is dropped, for `medusa-spec tree` to grow one from the new accuracies")
     exclude: list[str] = option([], "leave out the conversations listed in these files: the "
                                 "trained_conversations.txt every run writes beside its adapter (e.g. the one "

@@ -212,8 +212,8 @@ def train(cfg: TrainConfig) -> dict:
 
 def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainConfig]:
     """The heads saved in cfg.init_heads on `base_model`, and cfg with their architecture (a head flag set to
-    another value than theirs is refused, but for --feature-layers on heads that fuse none: they take it on). Their
-    tree is dropped: it was chosen for their old accuracies."""
+    another value than theirs is refused, but for two that grow them: --feature-layers on heads that fuse none, and a
+    larger --num-layers; they take it on). Their tree is dropped: it was chosen for their old accuracies."""
     path = Path(cfg.init_heads)
     if (path / LORA_DIR).exists():
         raise ValueError(f"--init-heads {path} holds a Medusa-2 LoRA adapter ({LORA_DIR}/); training goes on from "
@@ -227,28 +227,39 @@ def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainCon
               "draft_layer_mlp": draft_layer_mlp}
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(TrainConfig)}
-    grow = bool(cfg.feature_layers) and not config.feature_layers
+    # What the heads take on, each new weight starting at zero so the grown heads begin as exactly the old ones
+    # (same guesses) and only learn what is added: feature fusion (a projection of the lower layers' states, added
+    # to the final one) and residual blocks after theirs (x + SiLU(0) = x).
+    grow = {}
+    if cfg.feature_layers and not config.feature_layers:
+        grow["feature_layers"] = list(cfg.feature_layers)
+    if cfg.num_layers > config.num_layers:
+        grow["num_layers"] = cfg.num_layers
     for name, value in theirs.items():
         given = getattr(cfg, name)
-        if name == "feature_layers" and grow:
-            continue  # heads without feature fusion take it on (below)
-        if given != value and given != defaults[name]:
+        if name not in grow and given != value and given != defaults[name]:
             flag = "--" + name.replace("_", "-")
-            raise ValueError(f"--init-heads {path}: its heads have {flag} {value}, but {flag} {given} was given; leave "
-                             f"{flag} out to train them on as they are, or drop --init-heads to train new heads")
+            more = " (fewer residual blocks than theirs: give more, or as many)" if name == "num_layers" else ""
+            raise ValueError(f"--init-heads {path}: its heads have {flag} {value}, but {flag} {given} was given{more}; "
+                             f"leave {flag} out to train them on as they are, or drop --init-heads to train new heads")
     if grow:
-        # Feature fusion added to trained heads: its projection starts at zero, so the new heads begin as exactly the
-        # old ones (same guesses) and learn what the lower layers add, instead of starting over.
-        theirs["feature_layers"] = list(cfg.feature_layers)
+        theirs.update(grow)
         state = medusa.heads.state_dict()
-        medusa = MedusaModel.from_base(base_model, dataclasses.replace(config, feature_layers=cfg.feature_layers))
+        medusa = MedusaModel.from_base(base_model, dataclasses.replace(config, **grow))
         missing, unexpected = medusa.heads.load_state_dict(state, strict=False)
-        if unexpected or any(not name.startswith("fuse.") for name in missing):
-            raise RuntimeError(f"--init-heads {path} with --feature-layers: weights {sorted(unexpected)} unused and "
-                               f"{sorted(missing)} missing; only the new fusion layer should be new")
+        new = [name for name in missing if not (name.startswith("fuse.") or _added_block(name, config.num_layers))]
+        if unexpected or new:
+            raise RuntimeError(f"--init-heads {path} grown by {sorted(grow)}: weights {sorted(unexpected)} unused and "
+                               f"{sorted(new)} missing; only the added layers should be new")
         medusa.heads.bind_lm_head(base_model.get_output_embeddings())
     medusa.config = dataclasses.replace(medusa.config, tree=None)
     return medusa, dataclasses.replace(cfg, **theirs)
+
+
+def _added_block(name: str, old_layers: int) -> bool:
+    """Whether weight `name` belongs to a residual block past the first `old_layers` of its head."""
+    parts = name.split(".")  # blocks.{head}.layers.{layer}.{weight|bias}
+    return parts[0] == "blocks" and parts[2] == "layers" and int(parts[3]) >= old_layers
 
 
 def _check_backend(accelerator, batch_size: int) -> None:
