@@ -74,12 +74,14 @@ def test_rows_attend_per_block_and_move_with_their_cache_when_resorted(arch, mon
         expected = reference(model, ids, limits[i])
         assert got[i][:len(expected)] == expected and len(got[i]) == limits[i], (arch, i)
     if not any(hasattr(m, "num_key_value_groups") for m in model.modules()):
-        assert not blocks and not moves
+        assert not blocks
         return
     steps = [b for b in blocks if b is not None]
     assert moves and any(order != sorted(order) for order in moves)
     assert any(len({w for _, _, w in b}) > 1 for b in steps)  # blocks of different widths in one step
-    assert all(b[0][:2] == (0, 2) and b[-1][1] == 6 for b in steps)
+    # Two rows a block, from row 0 through the step's last row (6 while requests wait).
+    assert all([(a, e) for a, e, _ in b] == [(a, min(a + 2, b[-1][1])) for a in range(0, b[-1][1], 2)] for b in steps)
+    assert steps[0][-1][1] == 6
 
 
 def test_re_sorted_rows_keep_their_sampling_follow_up_columns_and_the_copied_prompt(monkeypatch):
@@ -100,7 +102,7 @@ def test_re_sorted_rows_keep_their_sampling_follow_up_columns_and_the_copied_pro
     monkeypatch.setattr(engine.Slots, "reorder",
                         lambda self, order, kept: moves.append(order) or reorder(self, order, kept))
     hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["input_ids"].shape[0] == 1)),
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["cache"].row is not None)),
         with_kwargs=True)
     requests = deque(Request(key, asks[key], Sampling(True, 1.0) if key == "B" else GREEDY, budget[key])
                      for key in budget)
@@ -115,6 +117,25 @@ def test_re_sorted_rows_keep_their_sampling_follow_up_columns_and_the_copied_pro
     assert prefills == [2, 40, 2, 30, 3]  # "P again" copied, "A next" runs its last answer token and the message
     for key in ("A", "C", "P", "P again", "A next"):
         assert answers[key] == reference(model, asks[key], len(answers[key])), key
+
+
+def test_steps_run_only_through_the_last_busy_row_once_no_request_waits():
+    """Once the queue is empty, finished rows stay free: a decoding step runs the rows up to the last busy one,
+    re-sorted (free ones last) before a quarter of its rows idle, down to the longest answer's row alone, and
+    every answer still equals transformers' generate. Before, every step ran all the rows to the end."""
+    model = tiny_model("llama")
+    asks = prompts(6, seed=8)
+    limits = [3, 5, 12, 4, 6, 2]
+    steps = []  # rows per decoding step (a prefill names its row in the cache)
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: steps.extend([kwargs["input_ids"].shape[0]] * (kwargs["cache"].row is None)),
+        with_kwargs=True)
+    requests = deque(Request(i, ids, max_new_tokens=limits[i]) for i, ids in enumerate(asks))
+    got = dict(decode_stream(model, requests, {EOS}, rows=4, max_new_tokens=12, capacity=32))
+    hook.remove()
+    assert got == {i: reference(model, ids, limits[i]) for i, ids in enumerate(asks)}
+    assert steps[0] == 4 and steps[-1] == 1
+    assert steps == sorted(steps, reverse=True)  # no step runs more rows once rows went free
 
 
 def test_re_sorted_rows_keep_their_loop_watch(monkeypatch):
@@ -151,9 +172,9 @@ def test_next_turn_prefills_only_what_its_row_lacks(arch):
     token and the new message run. The answer equals transformers' generate on the whole conversation."""
     model = tiny_model(arch)
     asks = prompts(3, seed=4)
-    one_row = []  # tokens run per one-row forward (a decode step runs all three rows)
+    prefills = []  # tokens run per prefill (one row's prompt; the cache names the row)
     hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: one_row.extend([kwargs["input_ids"].shape[1]] * (kwargs["input_ids"].shape[0] == 1)),
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["cache"].row is not None)),
         with_kwargs=True)
     requests = deque(Request(i, ids) for i, ids in enumerate(asks))
     answers = {}
@@ -164,7 +185,7 @@ def test_next_turn_prefills_only_what_its_row_lacks(arch):
     hook.remove()
     for i, ids in enumerate(asks):
         assert answers[("next", i)] == reference(model, ids + answers[i] + [5, 6], 8), (arch, i)
-    assert one_row == [len(ids) for ids in asks] + [3, 3, 3]
+    assert prefills == [len(ids) for ids in asks] + [3, 3, 3]
 
 
 def test_no_room_and_empty_requests_come_back_empty():
@@ -253,9 +274,9 @@ def test_a_prompt_asked_again_is_prefilled_once():
     model = tiny_model("llama", lm_head_scale=1.0)
     a, b = prompts(2, seed=3)
     a, b = a + [7, 8], b + [9]  # at least 2 tokens: a prefill is the only forward of more than one
-    prefills = []  # tokens run per one-row forward (a decode step runs both rows)
+    prefills = []  # tokens run per prefill (one row's prompt; the cache names the row)
     hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["input_ids"].shape[0] == 1)),
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["cache"].row is not None)),
         with_kwargs=True)
     asks = [a, a, b, a, a, a]
     got = dict(decode_stream(model, deque(Request(i, ids) for i, ids in enumerate(asks)), {EOS}, rows=2,
