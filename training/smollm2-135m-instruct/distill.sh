@@ -16,7 +16,7 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-$HERE/../data/smollm2-135m-instruct}
-SELF=${2:-12000}
+SELF=${2:-20000}
 shift $(( $# > 2 ? 2 : $# ))
 TRAIN=$(cd "$HERE/../../.." && pwd)/shared/data/train
 MODEL=$(python -c "from medusa_spec import default_model; print(default_model.prepare())")
