@@ -173,18 +173,14 @@ def row_blocks(start: torch.Tensor, size: int) -> tuple[tuple[int, int, int], ..
     return tuple((a, min(a + size, rows), w) for a, w in zip(range(0, rows, size), _block_widths(start, size).tolist()))
 
 
-def running_rows(start: torch.Tensor) -> int:
-    """How many rows a decoding step runs: through the last busy one (a free row writes at column 0)."""
-    return int(start.nonzero()[-1]) + 1
-
-
-def resort_order(start: torch.Tensor, size: int) -> torch.Tensor | None:
-    """The rows longest first (free ones last), where that makes a step read RESORT_AT times less than now or
-    less: its blocks' columns, or its rows; else None."""
+def resort_order(start: torch.Tensor, size: int, running: int, busy_rows: int) -> torch.Tensor | None:
+    """The rows longest first (free ones, at column 0, last), where that makes a step read RESORT_AT times less than
+    now or less: its blocks' columns, or its rows (`running` now, through the last busy row; `busy_rows` sorted);
+    else None."""
     ordered, order = start.sort(descending=True, stable=True)
-    fewer_columns = _block_widths(start, size).sum() > RESORT_AT * _block_widths(ordered, size).sum()
-    fewer_rows = running_rows(start) > RESORT_AT * int(start.count_nonzero())
-    return order if fewer_columns or fewer_rows else None
+    if running > RESORT_AT * busy_rows:
+        return order
+    return order if _block_widths(start, size).sum() > RESORT_AT * _block_widths(ordered, size).sum() else None
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -302,12 +298,15 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 if yield_later:
                     continue  # yielded at the top of the loop, where the caller may still ask for more
                 return
-            busy = torch.tensor([a is not None for a in active], device=device)
+            flags = [a is not None for a in active]
+            busy = torch.tensor(flags, device=device)
             # A step runs the rows up to the last busy one. A free row among them decodes a pad token at column 0
             # of its own (unused) row: harmless, and it keeps every step one dense [n, 1] forward. Once no request
             # is left, free rows pile up: the rows are re-sorted (free ones last) before they cost a quarter more.
             start = torch.where(busy, length, 0)
-            order = resort_order(start, chunk_rows if by_blocks else len(start))  # one block: only rows count
+            # Counted on the host from `active`: no device sync for them.
+            n, count = rows - flags[::-1].index(True), sum(flags)
+            order = resort_order(start, chunk_rows if by_blocks else rows, n, count)  # one block: only rows count
             if order is not None:
                 moved = order.tolist()
                 cache.reorder(moved, start.tolist())  # a free row (start 0) holds nothing kept
@@ -316,7 +315,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 length, last, start, busy = length[order], last[order], start[order], busy[order]
                 if "row" in last_prefill:
                     last_prefill["row"] = moved.index(last_prefill["row"])
-            n = running_rows(start)
+                n = count  # the busy rows now come first
             start, busy = start[:n], busy[:n]
             blocks = {"row_blocks": row_blocks(start, chunk_rows)} if by_blocks else {}
             width = int(start.max()) + 1
