@@ -71,7 +71,7 @@ def simulate(conversations: list[list[tuple[int, int]]], rows: int, chunk_rows: 
     reads = dict.fromkeys(("one block", "blocks", "each row"), 0)
     resorts, snapshots, step = 0, [], 0
     while len(queue) > rows:  # stop before the queue runs dry
-        order = resort_order(length, chunk_rows) if resort else None
+        order = resort_order(length, chunk_rows, rows, rows) if resort else None  # every row busy here
         if order is not None:
             length, left, turns = length[order], left[order], [turns[i] for i in order.tolist()]
             resorts += step >= warm_up
