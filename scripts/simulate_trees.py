@@ -74,6 +74,13 @@ def dynamic_draft(heads, embed, lm_head, root: torch.Tensor, last_hidden: torch.
     return tree, node_tokens
 
 
+def head_inputs(module: TrainModule, ids: torch.Tensor) -> torch.Tensor:
+    """ids [B, T] -> [B, T, H]: at each position the state the heads draft from at decoding time, the final layer's
+    fused with the feature_layers' where the heads read them (the base returns them side by side)."""
+    hidden = module(ids, torch.arange(ids.shape[1]).expand_as(ids), torch.ones_like(ids)).hidden
+    return module.heads.features(hidden)
+
+
 def accepted_length(tree: MedusaTree, node_tokens: torch.Tensor, following: list[int]) -> int:
     """The depth of the deepest node whose path, root excluded, is the text that follows the root (`following`)."""
     target = torch.tensor((following + [-1] * tree.max_depth)[: tree.max_depth])
@@ -117,7 +124,7 @@ def main() -> None:
             last = min(first + args.max_new_tokens, first + sum(example.loss_mask), len(x))
             tokens += last - first
             with torch.no_grad():
-                hidden = module(ids, torch.arange(len(x))[None], torch.ones_like(ids)).hidden[0]
+                hidden = head_inputs(module, ids)[0]
                 for name, draft in drafts.items():
                     i = first - 1  # x[i] the last token committed; the step's root is x[i + 1]
                     while i + 1 < last:

@@ -8,7 +8,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from simulate_trees import accepted_length, dynamic_draft, tree_of  # noqa: E402
+from simulate_trees import accepted_length, dynamic_draft, head_inputs, tree_of  # noqa: E402
+
+from medusa_spec import build_tree  # noqa: E402
+from medusa_spec.kv_cache import new_cache  # noqa: E402
+from medusa_spec.propose import HeadsProposer, Prompt, draft_with_heads  # noqa: E402
+from medusa_spec.slots import prefill  # noqa: E402
+from medusa_spec.train.module import TrainModule  # noqa: E402
+from test_dependent_heads import TREE, random_heads  # noqa: E402
+from test_generate import prompt  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
 
 VOCAB = 10
 
@@ -62,3 +71,21 @@ def test_a_step_accepts_the_deepest_path_the_text_continues():
     assert accepted_length(tree, tokens, [6, 8]) == 1  # 8 hangs off 5, not 6
     assert accepted_length(tree, tokens, [7, 5]) == 0
     assert accepted_length(tree, tokens, [5]) == 1  # the text ends
+
+
+def test_the_heads_read_the_state_they_read_at_decoding_time_fused_layers_included():
+    """Fused heads (feature_layers) draft from a projection of several layers' states, not the final one alone: the
+    simulation must draft what the loop's proposer drafts."""
+    model = tiny_model("llama")
+    mm = random_heads(model, head_type="dependent", feature_layers=[0, 1])
+    module = TrainModule(model, mm.heads, mm.spec.bool_mask, mm.spec.takes_logits_to_keep).eval()
+    tree = build_tree(TREE)
+    ids = prompt(batch=2)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    root = torch.tensor([5, 17])
+    with torch.no_grad():
+        _, hidden, _ = prefill(model, mm.spec, ids, mask, new_cache(), feature_layers=(0, 1))
+        proposer = HeadsProposer(model, mm.heads, tree)
+        proposer.start(Prompt(ids, mask, hidden, root, None))
+        simulated = draft_with_heads(mm.heads, model, root, head_inputs(module, ids)[:, -1], tree)
+        assert torch.equal(simulated, proposer.propose(root).node_tokens)
