@@ -108,3 +108,33 @@ def test_no_conversation_trains_that_begins_as_a_held_out_one_does():
     assert any(chats[i][0] == chats[j][0] for i in train for j in held_out)  # a prompt answered otherwise trains
     assert loop.first_exchange(chats[-1]) == (("system", "terse"), ("user", "q0"), ("assistant", "a0"))
     assert split_held_out(chats, 10, seed=0, max_conversations=4) == (train[:4], held_out)
+
+
+def test_scored_adapters_are_placed_at_the_answer_tokens_their_runs_learned_from(base_dir, conversations,  # noqa: F811
+                                                                                 tmp_path, capsys):
+    """--scores: the tokens counted from an adapter's trained_conversations.txt are the ones its training counted;
+    a run continued on other conversations (--init-heads, --exclude) lands further along by its own sample."""
+    _, tokenizer = load_model_and_tokenizer(base_dir)
+    small = dict(max_steps=2, max_conversations=6, batch_size=2, eval_examples=4, max_length=16)
+    first = train(small_run(base_dir, conversations, tmp_path / "first", **small))
+    second = train(small_run(base_dir, conversations, tmp_path / "second", **small, init_heads=str(tmp_path / "first"),
+                             exclude=[str(tmp_path / "first" / loop.TRAINED_ON)]))
+    counted = scaling.learned_answer_tokens([tmp_path / "first", tmp_path / "second"], [str(conversations)],
+                                            tokenizer, max_length=16)  # shorter than a conversation: cut
+    assert counted == [first["answer_tokens_in_data"],
+                       first["answer_tokens_in_data"] + second["answer_tokens_in_data"]]
+
+    accuracy = [[0.5, 0.2], [0.3, 0.1], [0.2, 0.1]]
+    lines = [{"heads": str(tmp_path / run), "text": "held-out", "top1": [0.5, 0.3, 0.2], "rank_accuracy": accuracy}
+             for run in ("second", "first")]
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    capsys.readouterr()  # the training logs
+    assert scaling.main(["--scores", str(scores), "--data", str(conversations), "--model", str(base_dir),
+                         "--max-length", "16", "--nodes", "4", "--plot", str(tmp_path / "scored.png")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["first", "second"]  # by tokens learned
+    assert f"| {counted[1] / 1e6:.2f}M |" in table[3]
+    assert (tmp_path / "scored.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        scaling.main(["--scores", str(scores)])  # nothing to count the tokens in
