@@ -99,8 +99,11 @@ def plot(points: list[dict], path: Path, nodes: int) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     # Scored adapters are one curve (each run continued the last); a log's evaluations are one curve per run.
-    for run in dict.fromkeys("scored" if p["step"] == "-" else p["run"] for p in points):
-        mine = [p for p in points if ("scored" if p["step"] == "-" else p["run"]) == run]
+    def curve(point: dict) -> str:
+        return "adapters, one held-out set" if point["step"] == "-" else point["run"]
+
+    for run in dict.fromkeys(map(curve, points)):
+        mine = [p for p in points if curve(p) == run]
         tokens = [p["answer_tokens"] / 1e6 for p in mine]
         left.plot(tokens, [p["expected"] for p in mine], marker="o", label=run)
         for k in range(len(mine[0]["top1"])):
