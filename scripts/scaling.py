@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.data:
             parser.error("--scores needs --data: the conversations the adapters learned from, to count them")
         lines = [json.loads(line) for line in args.scores.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if len({line["text"] for line in lines}) != 1 or any("rank_accuracy" not in line for line in lines):
+        if len({line.get("text") for line in lines}) != 1 or any("rank_accuracy" not in line for line in lines):
             raise SystemExit(f"{args.scores}: give the lines of one text (e.g. held-out) from a compare_heads.py "
                              f"that prints rank_accuracy")
         tokenizer = AutoTokenizer.from_pretrained(args.model or str(default_model.prepare()))
