@@ -177,6 +177,9 @@ def summarize(records: list[dict]) -> dict:
             for name in ("acceptance_rate", "mean_draft_length"):
                 if all(name in r for r in rs):
                     figures[name] = round(sum(r[name] for r in rs) / len(rs), 3)
+            if all("mean_tree_nodes" in r for r in rs):  # tree=None: the sizes behind the tokens per step
+                figures["mean_tree_nodes"] = round(sum(r["mean_tree_nodes"] * r["timed_steps"] for r in rs)
+                                                   / sum(r["timed_steps"] for r in rs), 2)
             if "stage_seconds" in rs[0]:
                 figures |= step_stages(rs)
             summary[group][method] = figures
@@ -211,12 +214,13 @@ def markdown(summary: dict) -> str:
     lines += ["", f"Speed-up over {REFERENCE}; {' and '.join(SAMPLED)} over hf_sample (sampling at {settings})."]
     timed = {m: f for m, f in summary.get("overall", {}).items() if "stages" in f}
     if timed:
-        lines += ["", "Where a step's time goes (overall; ms per step and share of the step):", "",
-                  "| method | step ms | " + " | ".join(STEP_STAGES) + " | prefill ms |",
-                  "|---" * (len(STEP_STAGES) + 3) + "|"]
+        lines += ["", "Where a step's time goes (overall; ms per step and share of the step; tree nodes: the mean "
+                  "size tree=None chose, root included):", "",
+                  "| method | step ms | tree nodes | " + " | ".join(STEP_STAGES) + " | prefill ms |",
+                  "|---" * (len(STEP_STAGES) + 4) + "|"]
         for method in sorted(timed, key=METHODS.index):
             f = timed[method]
-            cells = [method, f"{f['step_ms']:.2f}",
+            cells = [method, f"{f['step_ms']:.2f}", f"{f['mean_tree_nodes']:.2f}" if "mean_tree_nodes" in f else "-",
                      *(f"{f['stages'][s]['ms_per_step']:.2f} ({f['stages'][s]['share']:.0%})" for s in STEP_STAGES),
                      f"{f['prefill_ms']:.1f}"]
             lines.append("| " + " | ".join(cells) + " |")

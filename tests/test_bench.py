@@ -5,9 +5,12 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from medusa_spec import MedusaConfig, MedusaModel, bench, loop
+from medusa_spec import MedusaConfig, MedusaModel, autotree, bench, loop
 from medusa_spec.loop import StepTimer
+from test_default_tree import GROWING, with_accuracies
 from tiny_models import VOCAB, tiny_model
+
+GROWING_MAX = max(GROWING)
 
 TREE = [[0], [1], [0, 0], [1, 0], [0, 1]]
 TIMED = ("medusa_off", "medusa_greedy", "medusa_sample", "medusa_lookup", "lookup", "self_draft")
@@ -54,7 +57,9 @@ def test_bench_reports_each_stage_of_a_step(tmp_path):
         assert sum(s["share"] for s in stages.values()) == pytest.approx(1.0, abs=0.01)
         assert figures["prefill_ms"] > 0
     table = (tmp_path / "bench.md").read_text()
-    assert "| method | step ms | propose | verify | accept | commit | prefill ms |" in table
+    assert "| method | step ms | tree nodes | propose | verify | accept | commit | prefill ms |" in table
+    assert "| medusa_greedy | " in table and "| medusa_greedy | - |" not in table  # a fixed tree: no sizes
+    assert "mean_tree_nodes" not in overall["medusa_greedy"]
     assert all(f"| {method} | " in table.split("Where a step's time goes")[1] for method in TIMED)
 
 
@@ -107,3 +112,22 @@ def test_a_timer_adds_up_over_calls():
     steps = sum(mm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, eos_token_id=[], tree=TREE,
                             timer=timer).stats.steps - 1 for _ in range(2))
     assert timer.steps == steps and timer.seconds["prefill"] > 0
+
+
+def test_an_adapting_tree_reports_the_mean_size_it_ran_weighted_by_steps(tmp_path, monkeypatch):
+    """tree=None re-chooses the tree size as the heads guess: the tokens per step depend on it, so the report gives
+    the mean size per step over every prompt (a long prompt's steps count more than a short one's)."""
+    monkeypatch.setattr(autotree, "measure_step_costs", lambda *args, **kwargs: (GROWING, dict.fromkeys(GROWING, 0.0)))
+    mm = with_accuracies()  # held-out accuracies that start a tree, then untrained heads shrink it to the root
+    prompts = [("a", "w5 w6 w7 w5 w6"), ("b", "w9 w10 w11 w12")]
+    records = bench.bench(mm, word_tokenizer(), prompts, max_new_tokens=48, tree=None, methods=("medusa_greedy",))
+    assert all(1 < r["mean_tree_nodes"] < GROWING_MAX for r in records)
+    report = bench.write_report(records, tmp_path, meta={})
+    want = sum(r["mean_tree_nodes"] * r["timed_steps"] for r in records) / sum(r["timed_steps"] for r in records)
+    assert report["summary"]["overall"]["medusa_greedy"]["mean_tree_nodes"] == pytest.approx(want, abs=0.005)
+    # Weighted, not the plain mean of the prompts' means, wherever the two differ.
+    records[0] |= {"mean_tree_nodes": 2.0, "timed_steps": 30}
+    records[1] |= {"mean_tree_nodes": 4.0, "timed_steps": 10}
+    assert bench.summarize(records)["overall"]["medusa_greedy"]["mean_tree_nodes"] == 2.5
+    table = (tmp_path / "bench.md").read_text().split("Where a step's time goes")[1]
+    assert f"| medusa_greedy | {report['summary']['overall']['medusa_greedy']['step_ms']:.2f} | {want:.2f} |" in table
