@@ -1,9 +1,12 @@
 """bench reports where a decoding step's time goes; a decode without a StepTimer takes no laps."""
 
+import time
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from medusa_spec import MedusaConfig, MedusaModel, autotree, bench, loop
 from medusa_spec.loop import StepTimer
@@ -37,9 +40,7 @@ def test_bench_reports_each_stage_of_a_step(tmp_path):
             continue
         stages = record["stage_seconds"]
         assert set(stages) == set(StepTimer.STAGES) and all(s > 0 for s in stages.values()), record
-        # The laps follow each other from before prefill to the last commit: they add up to the generation's time,
-        # all but the argument checks and the proposer's set-up before decode and the output after it.
-        assert 0.75 * record["seconds"] < sum(stages.values()) <= record["seconds"], record
+        assert sum(stages.values()) <= record["seconds"], record  # what they cover: the next test
         assert record["timed_steps"] == record["steps"] - 1  # every step but prefill
 
     report = bench.write_report(records, tmp_path, meta={})
@@ -61,6 +62,31 @@ def test_bench_reports_each_stage_of_a_step(tmp_path):
     assert "| medusa_greedy | " in table and "| medusa_greedy | - |" not in table  # a fixed tree: no sizes
     assert "mean_tree_nodes" not in overall["medusa_greedy"]
     assert all(f"| {method} | " in table.split("Where a step's time goes")[1] for method in TIMED)
+
+
+def test_every_forward_pass_of_a_generation_is_charged_to_a_stage(monkeypatch):
+    """The laps follow each other from before prefill to the last commit, so the model's work is all inside them;
+    only argument checks, set-up and the output fall outside. On a clock that only the decoder layers move (one
+    second a call), the stages add up to the generation's time exactly. (On the real clock that set-up is a few ms,
+    which a busy machine stretches past any fixed share of a tiny model's decode.)"""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    layer_forward = LlamaDecoderLayer.forward
+
+    def costly(self, *args, **kwargs):
+        clock[0] += 1.0
+        return layer_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", costly)
+    mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
+    methods = ("hf_greedy", *TIMED)
+    records = bench.bench(mm, word_tokenizer(), [("a", "w5 w6 w7 w5 w6")], max_new_tokens=24, tree=TREE,
+                          methods=methods, drafts=bench.draft_models(mm.base_model, methods))
+    for record in records:
+        if record["method"] != "hf_greedy":
+            stages = record["stage_seconds"]
+            assert sum(stages.values()) == record["seconds"] > 0 and stages["prefill"] >= 1, record
+            assert stages["verify"] >= record["timed_steps"], record  # each step's pass through the layers
 
 
 def test_sampled_methods_are_timed_against_transformers_sampling_the_same_way(monkeypatch):
