@@ -1,13 +1,21 @@
-"""Linear layers on a few rows, computed column-wise on CPU: y = (W x^T)^T instead of x W^T; and
-grouped-query attention of a few rows without copying the keys and values per query head.
+"""Linear layers by the fastest CPU kernel for their row count, and grouped-query attention of a few rows
+without copying the keys and values per query head: what the decoding loops, the data engine and training's
+frozen base run through (columnwise_copy).
 
-Why: on CPU, BLAS runs nn.Linear on 2-64 rows as a general matmul that streams W about half as fast
-as the one-row product does, while the same product taken column-wise, mm(W, x^T), stays near the
-one-row cost. Measured on this project's 2-core machine, all of SmolLM2-135M's layer weights (cold
-in cache, as in decoding) take 55 ms for 1 row, 85-105 ms for 2-8 rows by nn.Linear and 40-50 ms
-column-wise; its 49152-row LM head takes 30-38 ms for 2-8 rows by nn.Linear and 9-20 ms column-wise.
-A tree of candidates is then verified for about what one decoding step costs. The sums agree up to
-fp32 rounding order, as between any two matmul kernels.
+Why: torch computes an fp32 nn.Linear on CPU with MKL, which on this project's AMD EPYC machines runs far below
+the CPU's rate. All of SmolLM2-135M's decoder weights (cold in cache, as in decoding; medians of 7; 2 threads,
+AVX-512), nn.Linear / column-wise mm(W, x^T) / oneDNN's linear, in ms:
+
+    rows      1     2     4     8     16    64    512
+    layers    25.7  34.6  38.1  35.1  43.3  108   548
+    colwise   26.4  12.0  15.1  28.9  41.9  93.7  600
+    oneDNN    15.6  17.3  20.3  21.7  26.5  56.0  261
+
+and its 49152-row LM head 7.4 / 3.2 / 2.7 ms for one row (nn.Linear / 4 rows column-wise / oneDNN), 649 / 242 ms
+for 1,024 rows (nn.Linear / oneDNN). So 2-4 rows go column-wise (a tree of 4 nodes is verified for about what one
+decoding step costs) and every other count through oneDNN (one-row steps, wider trees and batches, prefills, the
+data engine's batches, training's packed rows). The sums agree up to fp32 rounding order, as between any two matmul
+kernels.
 
 Attention: for a query of several rows and a mask, transformers' sdpa path copies every key and value
 head once per query head of its group (`repeat_kv`), a copy that grows with the context. torch's sdpa
@@ -20,34 +28,48 @@ layer with 4 rows: 279 -> 146 us after 300 tokens, 835 -> 470 us after 1,200; ou
 from __future__ import annotations
 
 import copy
+import platform
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-# Beyond this many rows (long prompts) nn.Linear's own kernel is as fast.
-MAX_ROWS = 64
-# MKL takes the column-wise product slower at some column counts than at the next larger one, so those blocks
-# get zero rows up to it. All of SmolLM2-135M's decoder weights, on an AVX-512 EPYC: 94-137 ms for 10-15 rows,
-# 69-91 ms for 16; on an AVX2 EPYC (medians of 9, cold cache): 3 rows 42 ms, 4 rows 32; 7 rows 62, 8 rows 53;
-# 13-15 rows 113-141, 16 rows 79. A tree plus a lookup chain of adaptive length takes any of these sizes.
-PAD_TO = {3: 4, 7: 8, **dict.fromkeys(range(10, 16), 16)}
+# From 2 rows up to this many the column-wise product is the fastest; for one row and beyond it, oneDNN's.
+COLUMNWISE_ROWS = 4
+
+
+def _onednn_linear():
+    """oneDNN's fp32 linear (the op torch.compile's CPU backend calls), where this torch build has it; x86 only,
+    where it was measured. None elsewhere: nn.Linear then."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+ONEDNN_LINEAR = _onednn_linear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """nn.functional.linear(x, weight, bias); column-wise for 2-64 rows of fp32 on CPU (some counts padded:
-    PAD_TO). (bf16 kernels round differently enough to flip near-tied greedy tokens against one-row
-    decoding: not switched.)"""
+    """nn.functional.linear(x, weight, bias), for fp32 on CPU by the fastest kernel measured here: 2-4 rows
+    column-wise, others through oneDNN. Not where autograd needs the graph (oneDNN's op has no backward), and not
+    in bf16 (bf16 kernels round differently enough to flip near-tied greedy tokens against one-row decoding)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (2 <= rows <= MAX_ROWS and weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32):
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    if rows == 0 or grad or not (weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32):
         return nn.functional.linear(x, weight, bias)
+    if rows == 1 or rows > COLUMNWISE_ROWS:
+        if ONEDNN_LINEAR is None:
+            return nn.functional.linear(x, weight, bias)
+        return ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     columns = x.reshape(rows, x.shape[-1])
-    if rows in PAD_TO:
-        columns = torch.cat([columns, columns.new_zeros(PAD_TO[rows] - rows, columns.shape[1])])
     # Back to nn.Linear's row-major layout: on the transposed view later ops ran slower, and sdpa left its
     # flash kernel for the math one (a 4-node verify of SmolLM2-135M took 131 ms instead of 110).
-    y = torch.mm(weight, columns.t())[:, :rows].t().contiguous()
+    y = torch.mm(weight, columns.t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -99,7 +121,7 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA) -> nn.M
     alone (quantised layers; a LoRA wrapper calls its plain base layer, which is converted). Why a copy, not a
     torch function mode: a mode adds Python work to every op (~7 us; a SmolLM2-135M forward is 2,300 ops), so a
     4-node verify took 115 ms under one and 94 ms through the copy. Returns `module` itself unless it holds
-    fp32 weights on CPU, where the column-wise product would not be taken.
+    fp32 weights on CPU, where `linear` would only call nn.Linear.
     """
     if module is None or not _on_cpu_in_fp32(module):
         return module

@@ -1,15 +1,15 @@
-"""Column-wise linear layers: the same products as nn.Linear, only where they are faster, and only in a
-columnwise_copy (see test_model_untouched for other threads)."""
+"""Linear layers by the fastest CPU kernel (column-wise, oneDNN): the same products as nn.Linear, only where they
+are faster, and only in a columnwise_copy (see test_model_untouched for other threads)."""
 
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel
-from medusa_spec.columnwise import MAX_ROWS, columnwise_copy, linear
+from medusa_spec import MedusaConfig, MedusaModel, columnwise
+from medusa_spec.columnwise import columnwise_copy, linear
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 12, 15, 16, MAX_ROWS, MAX_ROWS + 1])  # 3, 7, 12, 15: padded
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 16, 65, 300])
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_equals_nn_linear(rows, bias):
     torch.manual_seed(rows)
@@ -20,28 +20,55 @@ def test_linear_equals_nn_linear(rows, bias):
     torch.testing.assert_close(linear(x3, layer.weight, layer.bias), layer(x3))
     # nn.Linear's layout too: a transposed view sends sdpa to its slow math kernel and slows elementwise ops.
     assert linear(x3, layer.weight, layer.bias).stride() == layer(x3).stride()
+    # A transposed view as the weight (the training loss's gradient product).
+    grad = torch.randn(rows, 40)
+    torch.testing.assert_close(linear(grad, layer.weight.t()), grad @ layer.weight)
 
 
-def test_linear_switches_kernel_only_for_a_few_fp32_rows(monkeypatch):
-    calls = []
-    original_mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[1].shape[1]) or original_mm(*a))
-    weight = torch.randn(8, 4)
-    for rows in (1, 2, 3, 5, 7, 9, 10, 15, 16, MAX_ROWS, MAX_ROWS + 1):
-        linear(torch.randn(rows, 4), weight)
-    linear(torch.randn(3, 4, dtype=torch.bfloat16), weight.bfloat16())
-    linear(torch.randn(3, 4, dtype=torch.float64), weight.double())
-    # Columns per product: one row, long blocks, bf16 and fp64 keep nn.Linear; 3, 7 and 10-15 rows are padded to the
-    # next size MKL computes faster.
-    assert calls == [2, 4, 5, 8, 9, 16, 16, 16, MAX_ROWS]
+def test_linear_keeps_autograd_where_a_gradient_is_wanted():
+    """oneDNN's op has no backward: a product autograd must follow stays nn.Linear, with its gradients."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 6)
+    x = torch.randn(7, 8, requires_grad=True)
+    linear(x, layer.weight, layer.bias).square().sum().backward()
+    expected = torch.autograd.grad(layer(x).square().sum(), (x, layer.weight))
+    torch.testing.assert_close(x.grad, expected[0])
+    torch.testing.assert_close(layer.weight.grad, expected[1])
 
 
 def spy_on_products(monkeypatch):
-    """Records (id of the weight, columns) of every column-wise product taken."""
+    """Records (id of the weight, rows, kernel) of every product taken column-wise ("mm") or by oneDNN."""
     products = []
     original_mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda w, x: products.append((id(w), x.shape[1])) or original_mm(w, x))
+    monkeypatch.setattr(torch, "mm", lambda w, x: products.append((id(w), x.shape[1], "mm")) or original_mm(w, x))
+
+    def onednn(x, w, b, *args):  # the op's arguments; nn.Linear stands in where this build lacks the op
+        products.append((id(w), x.numel() // x.shape[-1], "onednn"))
+        return torch.nn.functional.linear(x, w, b)
+
+    monkeypatch.setattr(columnwise, "ONEDNN_LINEAR", onednn)
     return products
+
+
+def test_linear_switches_kernel_by_rows_for_fp32_only(monkeypatch):
+    products = spy_on_products(monkeypatch)
+    weight = torch.randn(8, 4)
+    for rows in (1, 2, 3, 4, 5, 16, 300):
+        linear(torch.randn(rows, 4), weight)
+    linear(torch.randn(3, 4, dtype=torch.bfloat16), weight.bfloat16())
+    linear(torch.randn(5, 4, dtype=torch.float64), weight.double())
+    linear(torch.randn(5, 4, requires_grad=True), weight)
+    # 2-4 rows column-wise, other fp32 counts by oneDNN; bf16, fp64 and autograd keep nn.Linear.
+    assert [(rows, kernel) for _, rows, kernel in products] == [
+        (1, "onednn"), (2, "mm"), (3, "mm"), (4, "mm"), (5, "onednn"), (16, "onednn"), (300, "onednn")]
+
+
+def test_linear_falls_back_to_nn_linear_without_onednn(monkeypatch):
+    """Off x86, or on a torch build without the op: nn.Linear."""
+    monkeypatch.setattr(columnwise, "ONEDNN_LINEAR", None)
+    weight = torch.randn(8, 4)
+    x = torch.randn(9, 4)
+    torch.testing.assert_close(linear(x, weight), x @ weight.t())
 
 
 def test_columnwise_copy_routes_plain_layers_and_leaves_the_module_alone(monkeypatch):
@@ -51,8 +78,9 @@ def test_columnwise_copy_routes_plain_layers_and_leaves_the_module_alone(monkeyp
     expected = model(x)
     products = spy_on_products(monkeypatch)
     copy = columnwise_copy(model)
-    torch.testing.assert_close(copy(x), expected)
-    assert products == [(id(model[0].weight), 6), (id(model[1].weight), 6)]  # the very tensors, shared
+    with torch.no_grad():  # as in decoding: autograd keeps nn.Linear
+        torch.testing.assert_close(copy(x), expected)
+    assert products == [(id(model[0].weight), 6, "onednn"), (id(model[1].weight), 6, "onednn")]  # the very tensors
     model(x)
     assert len(products) == 2  # the module itself still runs nn.Linear
     assert [type(m) for m in model] == [torch.nn.Linear] * 2
@@ -84,8 +112,9 @@ def test_subclasses_are_left_alone_and_shared_modules_stay_shared(monkeypatch):
     products = spy_on_products(monkeypatch)
     copy = columnwise_copy(model)
     assert type(copy[0]) is Quantised and copy[1] is copy[2]
-    copy(torch.randn(2, 4))
-    assert products == [(id(shared.weight), 2)] * 2
+    with torch.no_grad():
+        copy(torch.randn(2, 4))
+    assert products == [(id(shared.weight), 2, "mm")] * 2
 
 
 def test_nothing_is_copied_unless_fp32_on_cpu():
@@ -106,8 +135,9 @@ def test_generate_runs_tree_and_heads_columnwise(head_type, monkeypatch):
     ids = torch.randint(3, VOCAB, (2, 6))  # two rows, so the heads' products are column-wise too
     out = mm.generate(ids, max_new_tokens=6, eos_token_id=[], tree=[[0], [1], [0, 0]])
     assert out.sequences.shape[1] == 12
-    assert weights <= {weight for weight, _ in products}
-    assert 8 in {columns for _, columns in products}  # tree passes of 4 nodes, two rows (the prefill: 16)
+    assert weights <= {weight for weight, _, _ in products}
+    # Tree passes of 4 nodes over two rows by oneDNN, the heads' two rows column-wise.
+    assert {(8, "onednn"), (2, "mm")} <= {(rows, kernel) for _, rows, kernel in products}
 
 
 
@@ -135,3 +165,26 @@ def test_copy_attends_to_grouped_keys_in_place_and_leaves_the_config_alone(monke
     assert dict(vars(model.config)) == config_before and model.config._attn_implementation == "sdpa"
     layers = [m for m in copy.modules() if hasattr(m, "num_key_value_groups")]
     assert len({id(m.config) for m in layers}) == 1 and layers[0].config is not model.config
+
+
+def test_training_runs_a_frozen_base_through_the_fast_kernels_and_a_trained_one_through_autograd(monkeypatch):
+    from medusa_spec.train.module import TrainModule
+
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    base_weights = {id(m.weight) for m in model.model.layers.modules() if type(m) is torch.nn.Linear}
+    module = TrainModule(model, mm.heads, mm.spec.bool_mask, mm.spec.takes_logits_to_keep)
+    ids = torch.randint(3, VOCAB, (2, 7))
+    positions, segments = torch.arange(7).expand_as(ids), torch.ones_like(ids)
+    expected = model(ids, output_hidden_states=True).hidden_states[-1]
+    products = spy_on_products(monkeypatch)
+    frozen = module(ids, positions, segments)
+    assert base_weights <= {weight for weight, rows, kernel in products if (rows, kernel) == (14, "onednn")}
+    torch.testing.assert_close(frozen.hidden, expected)
+    products.clear()
+    trained = module(ids, positions, segments, train_base=True)  # Medusa-2: gradients reach the base
+    assert not base_weights & {weight for weight, _, _ in products}
+    trained.hidden.sum().backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+    assert not any(isinstance(m, columnwise.ColumnwiseLinear) for m in model.modules())  # the caller's model: as it was
