@@ -27,7 +27,7 @@ from ..loop import eval_mode
 from .data import Prompt, normal_text, read_prompts, render, unique_prompts
 from .engine import Request, decode_stream
 from .options import option, shared
-from .store import ConversationStore, complete_lines, is_folder, read_records
+from .store import ConversationStore, complete_lines, is_folder
 
 SELF_PROMPTS = "self_prompts.jsonl"
 _SENTINEL = "\x00medusa-spec-user-turn\x00"
@@ -81,11 +81,6 @@ class DistillConfig:
             raise ValueError(f"--follow-ups is a share of the conversations, in [0, 1]; got {self.follow_ups}")
         if self.prompt_temperature < 0:
             raise ValueError(f"--prompt-temperature must be >= 0 (0: greedy), got {self.prompt_temperature}")
-
-
-def finished_ids(output: Path) -> set[str]:
-    """Ids already in `output` (a final line left incomplete by a kill is dropped)."""
-    return {r["id"] for r in read_records(output)}
 
 
 def eos_ids(base_model, tokenizer) -> set[int]:
