@@ -56,6 +56,10 @@ class MedusaConfig:
     # saves are caught even when their shapes agree. Null in adapters saved before it was recorded. Not compared:
     # it names a file, not the heads.
     weights_sha256: str | None = field(default=None, compare=False)
+    # Medusa-2: whether the save wrote a LoRA adapter for the base model beside the heads (lora/). A later save
+    # replaces or removes lora/ only where this records it, so a lora/ folder of the user's own is never deleted.
+    # False in adapters saved before it was recorded. Not compared: it names a folder, not the heads.
+    lora: bool = field(default=False, compare=False)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -64,8 +68,9 @@ class MedusaConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "num_heads" else 0):
                 raise ValueError(f"MedusaConfig.{name} must be an integer >= {1 if name == 'num_heads' else 0}, "
                                  f"got {value!r}")
-        if not isinstance(self.share_lm_head, bool):
-            raise ValueError(f"MedusaConfig.share_lm_head must be true or false, got {self.share_lm_head!r}")
+        for name in ("share_lm_head", "lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MedusaConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"MedusaConfig.head_type must be one of {', '.join(HEAD_TYPES)}, got {self.head_type!r}")
         for name in ("hidden_size", "vocab_size", "draft_vocab_size"):

@@ -176,15 +176,34 @@ def sha256_file(file: Path) -> str:
 def save_adapter(path: str | Path, config: MedusaConfig, state_dict: Mapping[str, torch.Tensor],
                  lora: nn.Module | None = None) -> None:
     """Write medusa_config.json + medusa_heads.safetensors and, for Medusa-2, `lora` (a peft model) under lora/,
-    crash-safely (see staged_save), the weights' sha256 recorded in the config. Saving without `lora` removes one
-    left by an earlier save, so new heads are never loaded with a stale LoRA adapter."""
+    crash-safely (see staged_save), the weights' sha256 and whether lora/ was written recorded in the config.
+    Saving without `lora` removes one left by an earlier save, so new heads are never loaded with a stale LoRA
+    adapter; a lora/ that no earlier save recorded is refused (see check_lora_folder), never replaced or removed."""
     with staged_save(path, (LORA_DIR, WEIGHTS_NAME, CONFIG_NAME)) as staged:
+        check_lora_folder(path)  # under the save's lock, after an interrupted save was finished: the folder as it is
         save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(staged / WEIGHTS_NAME),
                   metadata={"format": "pt"})
-        config = dataclasses.replace(config, weights_sha256=sha256_file(staged / WEIGHTS_NAME))
+        config = dataclasses.replace(config, weights_sha256=sha256_file(staged / WEIGHTS_NAME), lora=lora is not None)
         config.to_json_file(staged / CONFIG_NAME)
         if lora is not None:
             lora.save_pretrained(str(staged / LORA_DIR))
+
+
+def check_lora_folder(path: str | Path) -> None:
+    """Raise unless `path`/lora is absent or was written by an earlier save to `path`, as its medusa_config.json
+    records: a save replaces or removes lora/, and one of the user's own (their peft output, notes) must survive."""
+    lora_dir, config_file = Path(path) / LORA_DIR, Path(path) / CONFIG_NAME
+    if not lora_dir.exists():
+        return
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # no config, or not one a save wrote: nothing records lora/
+        config = None
+    if not (isinstance(config, dict) and config.get("lora") is True):
+        raise ValueError(f"{lora_dir}: saving heads to {path} would replace or delete this folder, and "
+                         f"{config_file} does not record that a save of heads wrote it (it may be your own, or a LoRA "
+                         f"adapter saved by an older medusa_spec, which did not record it); move or delete {lora_dir}, "
+                         f"or save the heads to another folder")
 
 
 def load_adapter(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:

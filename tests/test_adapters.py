@@ -623,6 +623,48 @@ def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
         MedusaModel.from_pretrained(tiny_base(), tmp_path)
 
 
+def test_a_save_replaces_or_removes_only_a_lora_folder_a_save_recorded(tmp_path):
+    model = random_medusa(tiny_base(), num_heads=2, metrics={"run": 0})
+    mine = tmp_path / "lora"
+
+    def save(lora=None):
+        medusa_spec.io.save_adapter(tmp_path, model.config, model.heads.state_dict(), lora=lora)
+
+    def put_my_lora():  # the user's own peft output, with notes
+        mine.mkdir()
+        (mine / "adapter_config.json").write_text("{}")
+        (mine / "notes.txt").write_text("mine")
+
+    refused = (r"lora: saving heads to .* would replace or delete this folder, and .*medusa_config.json does not "
+               r"record that a save of heads wrote it .*move or delete .*lora, or save the heads to another folder")
+    put_my_lora()  # in a folder no save wrote to
+    for lora in (None, FakeLora(1)):
+        with pytest.raises(ValueError, match=refused):
+            save(lora)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]  # nothing written, nothing left behind
+        assert (mine / "notes.txt").read_text() == "mine"
+    shutil.rmtree(mine)
+    model.save_heads(tmp_path)  # heads only
+    put_my_lora()  # added after that save
+    with pytest.raises(ValueError, match=refused):
+        model.save_heads(tmp_path)
+    assert (mine / "notes.txt").read_text() == "mine"
+
+    # lora/ a save wrote is replaced by the next save's, and removed by a heads-only one.
+    shutil.rmtree(mine)
+    save(FakeLora(1))
+    save(FakeLora(2))
+    assert read_adapter(tmp_path)[2] == 2
+    save()
+    assert not mine.exists() and json.loads((tmp_path / "medusa_config.json").read_text())["lora"] is False
+    # A LoRA adapter saved before the config recorded it is refused too: nothing tells it from the user's own.
+    save(FakeLora(3))
+    edit_config(tmp_path, lambda config: config.pop("lora"))
+    with pytest.raises(ValueError, match=refused):
+        save()
+    assert read_adapter(tmp_path)[2] == 3
+
+
 def medusa2_adapter(path, targets, seed, **config):
     """Save heads and a LoRA on `targets` that changes the base model's outputs (random, not zero-initialised)."""
     from peft import LoraConfig, get_peft_model

@@ -891,6 +891,18 @@ def test_medusa2_trains_lora_and_heads_saves_lora_beside_the_heads_and_loads_bac
     assert torch.equal(out.sequences, tuned.generate(input_ids=prompt, max_new_tokens=8, do_sample=False))
 
 
+def test_train_refuses_a_lora_folder_in_its_output_before_training(tmp_path):
+    """The adapter is saved into --output at the end, replacing or removing its lora/: one no save recorded (the
+    user's own) is refused at the start, not after the training a late refusal would throw away."""
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "notes.txt").write_text("mine")
+    # Neither the model nor the data exists: the refusal comes before either is read.
+    cfg = TrainConfig(model=str(tmp_path / "no-model"), data=[str(tmp_path / "no-data.jsonl")], output=str(tmp_path))
+    with pytest.raises(ValueError, match=r"lora: saving heads to .* would replace or delete this folder"):
+        train(cfg)
+    assert (tmp_path / "lora" / "notes.txt").read_text() == "mine"
+
+
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "training" / "recipes").glob("*.json"))
 
 

@@ -25,7 +25,7 @@ from .. import default_model
 from ..base import inspect_base_model
 from ..config import MedusaConfig
 from ..eagle import draft_layer_shape
-from ..io import LORA_DIR
+from ..io import LORA_DIR, check_lora_folder
 from ..model import MedusaModel
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -54,6 +54,7 @@ def train(cfg: TrainConfig) -> dict:
     if checkpoint is not None and not cfg.resume:
         raise ValueError(f"{output_dir} already holds checkpoints ({checkpoint.name}); pass --resume to continue "
                          f"that run, or choose a new --output")
+    check_lora_folder(output_dir)  # the adapter is saved there at the end: refuse a lora/ it would delete now
     keep_trainable_weights_only(accelerator)
 
     # 1. Data (read first: a bad file fails before a big model loads) and base model. Trainable
