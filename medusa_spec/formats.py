@@ -47,14 +47,19 @@ def detect_format(path: str | Path) -> str:
         return "medusa"
     if (path / HF_CONFIG).is_file():
         config = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
-        if config.get("model_type") == "medusa":
-            return "vllm"
-        if "medusa_num_heads" in config:
-            return "medusa"  # its weights file is missing; read_medusa says so
+        if (fmt := _config_format(config)) is not None:
+            return fmt  # for "medusa", its weights file is missing: read_medusa says so
     raise FileNotFoundError(
         f"{path} holds no Medusa heads: expected {CONFIG_NAME} + {io.WEIGHTS_NAME} (medusa_spec), {HF_CONFIG} + "
         f"{' or '.join(MEDUSA_WEIGHTS)} (original Medusa), or {HF_CONFIG} with model_type \"medusa\" + *.safetensors "
         f"(vLLM)")
+
+
+def _config_format(config: dict) -> str | None:
+    """"vllm" or "medusa" for a config.json of that format's heads; None for any other (a base model's)."""
+    if config.get("model_type") == "medusa":
+        return "vllm"
+    return "medusa" if "medusa_num_heads" in config else None
 
 
 def read_heads(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
@@ -313,10 +318,21 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
     `base_model`, a path or a loaded model, supplies the LM head that vLLM's format stores for shared-LM-head
     heads and the sizes a "version 2" Medusa checkpoint does not record, and is checked against the heads (and
     against the LM head copy a vLLM checkpoint carries, which needs it). A Medusa-2 LoRA adapter is not
-    converted: the other formats hold heads only.
+    converted: the other formats hold heads only. `dst_dir` may be new, empty or hold `to` heads (replaced); one
+    holding another format's heads or another model's files, or `src_dir` itself, is refused.
     """
     if to not in FORMATS:
         raise ValueError(f"unknown format {to!r}; choose one of {', '.join(FORMATS)}")
+    if Path(src_dir).resolve() == Path(dst_dir).resolve():
+        raise ValueError(f"{dst_dir} is {src_dir}, the folder the heads are read from: converting them in place "
+                         f"would overwrite its files or leave two formats side by side; convert into another (empty) "
+                         f"folder")
+    io.finish_interrupted_save(dst_dir)  # else files a killed save still has to move in would escape the check
+    in_the_way = _files_in_the_way(Path(dst_dir), to)
+    if in_the_way:
+        raise ValueError(f"{dst_dir} already holds {', '.join(in_the_way)}, not files of {to} heads: converting "
+                         f"there would overwrite them, or leave them beside the converted heads for a load to pick "
+                         f"instead; convert into an empty folder, or move or delete those files")
     if isinstance(base_model, (str, Path)):
         from transformers import AutoModelForCausalLM  # only this path needs to load a model
 
@@ -341,6 +357,27 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
         write_medusa(dst_dir, config, state_dict)
     else:
         write_vllm(dst_dir, config, state_dict, base_lm_head)
+
+
+def _files_in_the_way(path: Path, to: str) -> list[str]:
+    """Files in the folder `path` not of format `to` that writing `to` heads there would overwrite or leave beside
+    them: another format's heads, or another model's config.json and weights."""
+    if not path.is_dir():
+        return []
+    names = {file.name for file in path.iterdir()}
+    try:
+        config = json.loads((path / HF_CONFIG).read_text(encoding="utf-8"))
+        config_format = _config_format(config) if isinstance(config, dict) else None
+    except (OSError, ValueError):  # none, or unreadable: not a Medusa config.json
+        config_format = None
+    own = {"medusa_spec": {CONFIG_NAME, io.WEIGHTS_NAME, io.LORA_DIR}, "medusa": {HF_CONFIG, *MEDUSA_WEIGHTS},
+           "vllm": {HF_CONFIG, VLLM_WEIGHTS}}[to]
+    if to != "medusa_spec" and config_format != to:
+        own -= {HF_CONFIG, VLLM_WEIGHTS}  # config.json and vLLM's weights beside it are another format's or model's
+    found = names & {CONFIG_NAME, io.WEIGHTS_NAME, io.LORA_DIR, HF_CONFIG, *MEDUSA_WEIGHTS, VLLM_WEIGHTS}
+    if to == "vllm":
+        found |= {name for name in names if name.endswith(".safetensors")}  # vLLM reads every one in the folder
+    return sorted(found - own)
 
 
 def _write_json(file: Path, data: dict) -> None:

@@ -577,6 +577,65 @@ def test_convert_command(tmp_path):
         str(tmp_path / "base")
 
 
+# --- converting into a folder that holds files ----------------------------------------------------------------------
+
+IN_THE_WAY = {"medusa_spec": "medusa_config.json, medusa_heads.safetensors",
+              "medusa": "config.json, medusa_lm_head.safetensors",
+              "vllm": "config.json, model.safetensors", "base model": "config.json, model.safetensors"}
+
+
+@pytest.mark.parametrize("held, to", [(held, to) for held in IN_THE_WAY for to in FORMATS if to != held
+                                      and (held, to) != ("base model", "medusa_spec")])
+def test_convert_refuses_a_folder_holding_another_format_or_model(tmp_path, held, to):
+    base = tiny_base()
+    random_medusa(base, seed=1, num_heads=2, share_lm_head=False).save_heads(tmp_path / "old")
+    new = random_medusa(base, seed=2, num_heads=3, share_lm_head=False)
+    new.save_heads(tmp_path / "new")
+    dst = tmp_path / "dst"
+    if held == "base model":  # vLLM's and Medusa's config.json, and vLLM's model.safetensors, are its names too
+        base.save_pretrained(dst)
+    else:
+        convert(tmp_path / "old", dst, to=held)
+    (dst / "README.md").write_text("notes")
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    with pytest.raises(ValueError, match=rf"dst already holds {IN_THE_WAY[held]}, not files of {to} heads: converting "
+                                         rf"there would overwrite them, or leave them beside the converted heads .*"
+                                         rf"convert into an empty folder, or move or delete those files"):
+        convert(tmp_path / "new", dst, to=to)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+
+    for name in IN_THE_WAY[held].split(", "):  # the fix the message names
+        (dst / name).unlink()
+    convert(tmp_path / "new", dst, to=to)
+    assert_same_heads(MedusaModel.from_pretrained(tiny_base(), dst), new)
+    assert (dst / "README.md").read_text() == "notes"
+
+
+def test_convert_refuses_its_source_folder_and_replaces_heads_of_its_own_format(tmp_path, capsys):
+    base = tiny_base()
+    old = random_medusa(base, seed=1, num_heads=2, share_lm_head=False)
+    old.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "orig", to="medusa")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "orig").iterdir()}
+    (tmp_path / "link").symlink_to(tmp_path / "orig")
+    for dst in ("orig", "link"):
+        with pytest.raises(ValueError, match=rf"{dst} is .*orig, the folder the heads are read from: converting "
+                                             rf"them in place would overwrite its files .*convert into another "
+                                             rf"\(empty\) folder"):
+            convert(tmp_path / "orig", tmp_path / dst, to="vllm")
+    assert main(["convert", str(tmp_path / "orig"), str(tmp_path / "orig"), "--to", "vllm"]) == 2
+    assert capsys.readouterr().err.startswith(f"medusa-spec convert: {tmp_path / 'orig'} is {tmp_path / 'orig'}, "
+                                              f"the folder the heads are read from")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "orig").iterdir()} == before
+
+    new = random_medusa(base, seed=2, num_heads=3, share_lm_head=False)
+    new.save_heads(tmp_path / "new")
+    for to in FORMATS:  # into a folder of `to` heads: they are replaced
+        convert(tmp_path / "own", tmp_path / to, to=to)
+        convert(tmp_path / "new", tmp_path / to, to=to)
+        assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / to), new)
+
+
 # --- Medusa-2: LoRA beside the heads -------------------------------------------------------------------------------
 
 def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
