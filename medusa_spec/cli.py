@@ -12,7 +12,7 @@ import torch
 from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
-from .flags import DTYPES, add_flag, default_device, positive_int
+from .flags import DTYPES, add_flag, check_model_folder, default_device, positive_int
 from .formats import FORMATS, convert
 from .inputs import resolve_sampling
 from .model import MedusaModel
@@ -51,10 +51,13 @@ def demo(args) -> int:
 
 
 def load(args):
-    """(MedusaModel, tokenizer) from --model/--heads; without --model, the default model and its shipped heads."""
+    """(MedusaModel, tokenizer) from --model/--heads; without --model, the default model and its shipped heads.
+    --draft-model is checked here too, before anything loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_path = args.model or default_model.prepare()
+    model_path = check_model_folder(args.model) if args.model else default_model.prepare()
+    if args.draft_model is not None:
+        check_model_folder(args.draft_model, "--draft-model", tokenizer=False)  # the draft shares the base's tokens
     heads = _heads_path(args)
     args.device = args.device or default_device()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -234,7 +237,8 @@ def run_bench(args) -> int:
 
 
 def run_convert(args) -> int:
-    convert(args.src, args.dst, to=args.to, base_model=args.model)
+    base_model = check_model_folder(args.model, tokenizer=False) if args.model else None  # weights and sizes only
+    convert(args.src, args.dst, to=args.to, base_model=base_model)
     print(f"wrote {args.to} heads to {args.dst}")
     return 0
 
