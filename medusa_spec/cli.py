@@ -12,7 +12,7 @@ import torch
 from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
-from .flags import DTYPES, add_flag, check_model_folder, default_device, positive_int
+from .flags import DTYPES, add_flag, check_device, check_model_folder, default_device, positive_int
 from .formats import FORMATS, convert
 from .inputs import resolve_sampling
 from .model import MedusaModel
@@ -52,14 +52,14 @@ def demo(args) -> int:
 
 def load(args):
     """(MedusaModel, tokenizer) from --model/--heads; without --model, the default model and its shipped heads.
-    --draft-model is checked here too, before anything loads."""
+    --draft-model and --device are checked here too, before anything loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path = check_model_folder(args.model) if args.model else default_model.prepare()
     if args.draft_model is not None:
         check_model_folder(args.draft_model, "--draft-model", tokenizer=False)  # the draft shares the base's tokens
     heads = _heads_path(args)
-    args.device = args.device or default_device()
+    args.device = check_device(args.device or default_device())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)

@@ -24,6 +24,24 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> str:
+    """`device` if torch can run a model there, else an error saying what to pass: torch would fail deep inside the
+    model's .to() (an AssertionError where this build of torch has no CUDA)."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a device torch knows; use cpu, cuda or cuda:N") from None
+    if parsed.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this PyTorch build/machine has no CUDA; use --device cpu, or leave "
+                         f"--device out (cuda when available, else cpu)")
+    count = torch.cuda.device_count()
+    if (parsed.index or 0) >= count:
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def check_model_folder(path: str | Path, flag: str = "--model", tokenizer: bool = True) -> Path:
     """`path` if it is a local folder holding a transformers model (and, with `tokenizer`, its tokenizer), else an
     error naming `flag` and what to give: transformers reads a missing folder as a Hub repo id (and tries the

@@ -374,3 +374,25 @@ def test_a_draft_model_folder_needs_a_model_but_no_tokenizer(model_dir, heads_di
     assert loaded == []
     assert main([*common, "--draft-model", str(draft)]) == 0
     assert "draft acceptance" in capsys.readouterr().err and loaded == [str(model_dir), str(draft)]
+
+
+@pytest.mark.parametrize("device, cuda_devices, problem", [
+    ("gpu", 0, "not a device torch knows; use cpu, cuda or cuda:N"),
+    ("cuda", 0, "this PyTorch build/machine has no CUDA; use --device cpu"),
+    ("cuda:3", 1, "this machine has 1 CUDA device(s); use cuda:0 to cuda:0"),
+])
+@pytest.mark.parametrize("command", ["generate", "distill"])
+def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch, loaded,
+                                                                     capsys, device, cuda_devices, problem, command):
+    """--device is checked up front: torch would fail inside .to() (an AssertionError where there is no CUDA). The
+    CUDA devices are faked, so the test says the same on any machine."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w9"}')
+    arguments = {"generate": ["w5"], "distill": ["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]}
+    assert main([command, "--model", str(model_dir), "--device", device, *arguments[command]]) == 2
+    assert f"--device {device}: {problem}" in capsys.readouterr().err
+    assert loaded == []
