@@ -63,6 +63,15 @@ def check_model_folder(path: str | Path, flag: str = "--model", tokenizer: bool 
     return path
 
 
+def check_output_folder(path: str | Path, flag: str = "--output") -> Path:
+    """`path` unless it is an existing file, where the folder the command writes cannot be made: checked before the
+    work, since mkdir would only fail (FileExistsError) when the results are written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; give a folder (made if missing)")
+    return path
+
+
 def native_bf16(device: str) -> bool:
     """Whether `device` computes bf16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or AMX
     instructions (read from /proc/cpuinfo). Other CPUs emulate it: a 64-row decoding step of SmolLM2-135M took

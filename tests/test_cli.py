@@ -396,3 +396,23 @@ def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(model_dir, 
     assert main([command, "--model", str(model_dir), "--device", device, *arguments[command]]) == 2
     assert f"--device {device}: {problem}" in capsys.readouterr().err
     assert loaded == []
+
+
+@pytest.mark.parametrize("command, flag", [
+    (["bench", "--model", "{model}", "--limit", "1", "--max-new-tokens", "2", "--methods", "hf_greedy",
+      "--output", "{file}"], "--output"),
+    (["train", "--model", "{model}", "--data", "{data}", "--output", "{file}"], "--output"),
+    (["convert", "{heads}", "{file}", "--to", "medusa"], "dst"),
+], ids=["bench", "train", "convert"])
+def test_an_output_folder_that_is_a_file_is_refused_before_the_work(model_dir, heads_dir, tmp_path, loaded, capsys,
+                                                                    command, flag):
+    """bench, train and convert write a folder: an existing file there is refused up front, not by mkdir's
+    FileExistsError once the work is done."""
+    file = tmp_path / "results.json"
+    file.write_text("{}")
+    data = tmp_path / "conversations.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]}')
+    fill = dict(model=model_dir, heads=heads_dir, data=data, file=file)
+    assert main([word.format(**fill) for word in command]) == 2
+    assert f"{flag} {file} is a file; give a folder" in capsys.readouterr().err
+    assert loaded == [] and file.read_text() == "{}"
