@@ -416,3 +416,11 @@ def test_an_output_folder_that_is_a_file_is_refused_before_the_work(model_dir, h
     assert main([word.format(**fill) for word in command]) == 2
     assert f"{flag} {file} is a file; give a folder" in capsys.readouterr().err
     assert loaded == [] and file.read_text() == "{}"
+
+
+def test_a_recipe_that_is_not_json_names_the_file_and_the_fix(tmp_path, capsys):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text('{"train": {"num_heads": 3,}}')
+    assert main(["train", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert f"{recipe} is not valid JSON" in err and "--config takes a recipe: a JSON object with one section" in err
