@@ -12,7 +12,7 @@ import torch
 from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
-from .flags import DTYPES, add_flag, default_device, positive_int
+from .flags import DTYPES, add_flag, check_device, check_model_folder, check_output_folder, default_device, positive_int
 from .formats import FORMATS, convert
 from .inputs import resolve_sampling
 from .model import MedusaModel
@@ -51,12 +51,15 @@ def demo(args) -> int:
 
 
 def load(args):
-    """(MedusaModel, tokenizer) from --model/--heads; without --model, the default model and its shipped heads."""
+    """(MedusaModel, tokenizer) from --model/--heads; without --model, the default model and its shipped heads.
+    --draft-model and --device are checked here too, before anything loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_path = args.model or default_model.prepare()
+    model_path = check_model_folder(args.model) if args.model else default_model.prepare()
+    if args.draft_model is not None:
+        check_model_folder(args.draft_model, "--draft-model", tokenizer=False)  # the draft shares the base's tokens
     heads = _heads_path(args)
-    args.device = args.device or default_device()
+    args.device = check_device(args.device or default_device())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
@@ -208,6 +211,7 @@ def run_bench(args) -> int:
     if not lookup and {"lookup", "medusa_lookup"} & set(args.methods or bench.DEFAULT_METHODS):
         raise ValueError("--lookup 0 leaves the lookup and medusa_lookup methods no chain to verify; choose the other "
                          "methods with --methods")
+    check_output_folder(args.output)  # the report is written last: a bad --output must fail before the run
     mm, tokenizer = load(args)
     methods = args.methods
     if methods is None:  # every method that needs no extra model, and draft_model when one is given
@@ -234,7 +238,9 @@ def run_bench(args) -> int:
 
 
 def run_convert(args) -> int:
-    convert(args.src, args.dst, to=args.to, base_model=args.model)
+    check_output_folder(args.dst, "dst")
+    base_model = check_model_folder(args.model, tokenizer=False) if args.model else None  # weights and sizes only
+    convert(args.src, args.dst, to=args.to, base_model=base_model)
     print(f"wrote {args.to} heads to {args.dst}")
     return 0
 

@@ -24,6 +24,54 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> str:
+    """`device` if torch can run a model there, else an error saying what to pass: torch would fail deep inside the
+    model's .to() (an AssertionError where this build of torch has no CUDA)."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a device torch knows; use cpu, cuda or cuda:N") from None
+    if parsed.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this PyTorch build/machine has no CUDA; use --device cpu, or leave "
+                         f"--device out (cuda when available, else cpu)")
+    count = torch.cuda.device_count()
+    if (parsed.index or 0) >= count:
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def check_model_folder(path: str | Path, flag: str = "--model", tokenizer: bool = True) -> Path:
+    """`path` if it is a local folder holding a transformers model (and, with `tokenizer`, its tokenizer), else an
+    error naming `flag` and what to give: transformers reads a missing folder as a Hub repo id (and tries the
+    network), and a folder without a tokenizer as a reason to install sentencepiece."""
+    path = Path(path)
+    what = "the model and its tokenizer" if tokenizer else "the model"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: no such folder; give a local folder holding {what}, as written by "
+                                f"save_pretrained (nothing is downloaded)")
+    missing = [] if (path / "config.json").is_file() else ["no model (config.json)"]
+    # Any one of these makes a tokenizer AutoTokenizer loads: save_pretrained writes the first two, older checkpoints
+    # may hold only a vocabulary file.
+    tokenizer_files = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if tokenizer and not any((path / name).is_file() for name in tokenizer_files):
+        missing.append("no tokenizer (tokenizer_config.json, tokenizer.json)")
+    if missing:
+        raise ValueError(f"{flag} {path} holds {' and '.join(missing)}; give the folder holding {what}, as written "
+                         f"by save_pretrained")
+    return path
+
+
+def check_output_folder(path: str | Path, flag: str = "--output") -> Path:
+    """`path` unless it is an existing file, where the folder the command writes cannot be made: checked before the
+    work, since mkdir would only fail (FileExistsError) when the results are written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; give a folder (made if missing)")
+    return path
+
+
 def native_bf16(device: str) -> bool:
     """Whether `device` computes bf16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or AMX
     instructions (read from /proc/cpuinfo). Other CPUs emulate it: a 64-row decoding step of SmolLM2-135M took

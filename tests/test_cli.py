@@ -293,3 +293,134 @@ def test_distill_loads_bf16_only_on_a_cpu_that_computes_it(tmp_path, monkeypatch
                  "--max-new-tokens", "4"]) == 0
     assert loaded == ["bfloat16" if cpu & {"avx512_bf16", "amx_bf16"} else "float32"]
     assert len(out.read_text().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory):
+    """An adapter folder (medusa_config.json + weights, no model, no tokenizer) for the tiny model."""
+    from medusa_spec import MedusaConfig, MedusaModel
+
+    path = tmp_path_factory.mktemp("heads")
+    MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2)).save_heads(path)
+    return path
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """The paths AutoModelForCausalLM.from_pretrained is asked to load while the test runs."""
+    from transformers import AutoModelForCausalLM
+
+    paths, load = [], AutoModelForCausalLM.from_pretrained
+
+    def recording_load(path, *args, **kwargs):
+        paths.append(str(path))
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording_load)
+    return paths
+
+
+@pytest.mark.parametrize("command, flag", [
+    (["generate", "w5", "--model", "{missing}"], "--model"),
+    (["generate", "w5", "--model", "{model}", "--draft-model", "{missing}"], "--draft-model"),
+    (["chat", "--model", "{missing}"], "--model"),
+    (["bench", "--model", "{missing}"], "--model"),
+    (["bench", "--model", "{model}", "--draft-model", "{missing}", "--methods", "draft_model"], "--draft-model"),
+    (["convert", "{heads}", "{out}", "--to", "vllm", "--model", "{missing}"], "--model"),
+], ids=["generate", "generate-draft", "chat", "bench", "bench-draft", "convert"])
+@pytest.mark.parametrize("missing", ["no-such-dir", "my-org/my-model"], ids=["path", "hub-name"])
+def test_a_model_that_is_no_local_folder_is_refused_before_any_model_loads(model_dir, heads_dir, tmp_path, loaded,
+                                                                           capsys, command, flag, missing):
+    """Every command that loads a model checks --model and --draft-model first, as train does: transformers would
+    read a missing folder as a Hub repo id (a traceback, or a download attempt for a bare name)."""
+    missing = str(tmp_path / missing) if missing == "no-such-dir" else missing
+    fill = dict(missing=missing, model=model_dir, heads=heads_dir, out=tmp_path / "out")
+    assert main([word.format(**fill) for word in command]) == 2
+    assert f"{flag} {missing}: no such folder; give a local folder holding" in capsys.readouterr().err
+    assert loaded == []
+
+
+@pytest.mark.parametrize("folder, lacks", [
+    ("empty", "no model (config.json) and no tokenizer (tokenizer_config.json, tokenizer.json)"),
+    ("heads", "no model (config.json) and no tokenizer (tokenizer_config.json, tokenizer.json)"),
+    ("weights only", "no tokenizer (tokenizer_config.json, tokenizer.json)"),
+], ids=["empty", "heads", "weights-only"])
+@pytest.mark.parametrize("command", ["generate", "distill"])
+def test_a_folder_without_model_or_tokenizer_says_what_it_lacks(heads_dir, tmp_path, loaded, capsys, folder, lacks,
+                                                                command):
+    """An empty folder, a heads folder, or a model saved without its tokenizer, given as --model: the error names
+    what the folder lacks (transformers would say to install sentencepiece)."""
+    path = {"empty": tmp_path / "empty", "heads": heads_dir, "weights only": tmp_path / "weights"}[folder]
+    path.mkdir(exist_ok=True)
+    if folder == "weights only":
+        tiny_model("llama").save_pretrained(path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w9"}')
+    arguments = {"generate": ["w5"], "distill": ["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]}
+    assert main([command, "--model", str(path), *arguments[command]]) == 2
+    assert f"--model {path} holds {lacks}; give the folder holding the model and its tokenizer" in \
+        capsys.readouterr().err
+    assert loaded == []
+
+
+def test_a_draft_model_folder_needs_a_model_but_no_tokenizer(model_dir, heads_dir, tmp_path, loaded, capsys):
+    """The draft shares the base's tokenizer: a draft saved without one loads, a heads folder is refused."""
+    draft = tmp_path / "draft"
+    tiny_model("llama", seed=1).save_pretrained(draft)
+    common = ["generate", "w5 w9", "--model", str(model_dir), "--max-new-tokens", "2"]  # one draft step
+    assert main([*common, "--draft-model", str(heads_dir)]) == 2
+    assert f"--draft-model {heads_dir} holds no model (config.json); give the folder holding the model," in \
+        capsys.readouterr().err
+    assert loaded == []
+    assert main([*common, "--draft-model", str(draft)]) == 0
+    assert "draft acceptance" in capsys.readouterr().err and loaded == [str(model_dir), str(draft)]
+
+
+@pytest.mark.parametrize("device, cuda_devices, problem", [
+    ("gpu", 0, "not a device torch knows; use cpu, cuda or cuda:N"),
+    ("cuda", 0, "this PyTorch build/machine has no CUDA; use --device cpu"),
+    ("cuda:3", 1, "this machine has 1 CUDA device(s); use cuda:0 to cuda:0"),
+])
+@pytest.mark.parametrize("command", ["generate", "distill"])
+def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch, loaded,
+                                                                     capsys, device, cuda_devices, problem, command):
+    """--device is checked up front: torch would fail inside .to() (an AssertionError where there is no CUDA). The
+    CUDA devices are faked, so the test says the same on any machine."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w9"}')
+    arguments = {"generate": ["w5"], "distill": ["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]}
+    assert main([command, "--model", str(model_dir), "--device", device, *arguments[command]]) == 2
+    assert f"--device {device}: {problem}" in capsys.readouterr().err
+    assert loaded == []
+
+
+@pytest.mark.parametrize("command, flag", [
+    (["bench", "--model", "{model}", "--limit", "1", "--max-new-tokens", "2", "--methods", "hf_greedy",
+      "--output", "{file}"], "--output"),
+    (["train", "--model", "{model}", "--data", "{data}", "--output", "{file}"], "--output"),
+    (["convert", "{heads}", "{file}", "--to", "medusa"], "dst"),
+], ids=["bench", "train", "convert"])
+def test_an_output_folder_that_is_a_file_is_refused_before_the_work(model_dir, heads_dir, tmp_path, loaded, capsys,
+                                                                    command, flag):
+    """bench, train and convert write a folder: an existing file there is refused up front, not by mkdir's
+    FileExistsError once the work is done."""
+    file = tmp_path / "results.json"
+    file.write_text("{}")
+    data = tmp_path / "conversations.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]}')
+    fill = dict(model=model_dir, heads=heads_dir, data=data, file=file)
+    assert main([word.format(**fill) for word in command]) == 2
+    assert f"{flag} {file} is a file; give a folder" in capsys.readouterr().err
+    assert loaded == [] and file.read_text() == "{}"
+
+
+def test_a_recipe_that_is_not_json_names_the_file_and_the_fix(tmp_path, capsys):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text('{"train": {"num_heads": 3,}}')
+    assert main(["train", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert f"{recipe} is not valid JSON" in err and "--config takes a recipe: a JSON object with one section" in err

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 
 from .. import default_model
 from ..base import inspect_base_model
-from ..flags import add_flag, default_device, fast_dtype
+from ..flags import add_flag, check_device, default_device, fast_dtype
 from ..model import MedusaModel
 from .config import TrainConfig
 from .data import make_rows, read_conversations, read_prompt_files, tokenize_conversation
@@ -30,7 +30,7 @@ def run_distill(args) -> int:
         print(json.dumps(distill_via_server(prompts, cfg)))
         return 0
     torch.manual_seed(cfg.seed)
-    device = cfg.device or default_device()
+    device = check_device(cfg.device or default_device())
     model, tokenizer = load_model_and_tokenizer(cfg.model or default_model.prepare(), cfg.dtype or fast_dtype(device),
                                                 cfg.plain_text)
     model.to(device)

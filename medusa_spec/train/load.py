@@ -6,17 +6,14 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..flags import DTYPES
+from ..flags import DTYPES, check_model_folder
 from .data import require_chat_template
 
 
 def load_model_and_tokenizer(path: str | Path, dtype="auto", plain_text: bool = False):
     """(base_model, tokenizer) from `path`; the tokenizer must be a fast one (offsets locate the
     assistant tokens) with a chat template, unless plain_text (see data.PLAIN_TEXT_TEMPLATE)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--model {path}: no such folder; give a local folder holding the model and its "
-                                f"tokenizer, as written by save_pretrained (nothing is downloaded)")
+    path = check_model_folder(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not tokenizer.is_fast:

@@ -25,6 +25,7 @@ from .. import default_model
 from ..base import inspect_base_model
 from ..config import MedusaConfig
 from ..eagle import draft_layer_shape
+from ..flags import check_output_folder
 from ..io import LORA_DIR, check_lora_folder
 from ..model import MedusaModel
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -49,7 +50,7 @@ def train(cfg: TrainConfig) -> dict:
                               kwargs_handlers=[ddp])
     _check_backend(accelerator, cfg.batch_size)
     set_seed(cfg.seed)
-    output_dir = Path(cfg.output)
+    output_dir = check_output_folder(cfg.output)  # before the data and the model load
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is not None and not cfg.resume:
         raise ValueError(f"{output_dir} already holds checkpoints ({checkpoint.name}); pass --resume to continue "

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import typing
 from pathlib import Path
 
+from ..config import read_json_object
 from ..flags import add_flag
 
 
@@ -68,7 +68,8 @@ def resolve(cls, args: argparse.Namespace, section: str):
     names = {f.name for f in dataclasses.fields(cls)}
     values = {}
     if getattr(args, "config", None):
-        recipe = json.loads(Path(args.config).read_text(encoding="utf-8"))
+        recipe = read_json_object(Path(args.config), fix="--config takes a recipe: a JSON object with one section "
+                                  "per command, as in training/recipes/medusa1.json")
         values = dict(recipe.get(section, {}))
         for old, new in _old_keys(cls).items():  # a recipe written before a rename reads as it did
             if old in values:
