@@ -12,7 +12,7 @@ from functools import partial
 
 import torch
 
-from .columnwise import columnwise_copy
+from .columnwise import PackedWeights, columnwise_copy
 from .kv_cache import new_cache
 from .loop import wait_for
 from .output import GenerationStats
@@ -52,15 +52,17 @@ def _fastest_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
 
 @torch.inference_mode()
 def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5,
-                       rank_accuracy=None, batch: int = 1) -> tuple[dict[int, float], dict[int, float]]:
+                       rank_accuracy=None, batch: int = 1,
+                       packs: PackedWeights | None = None) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of one step of drafting n nodes,
     for each n in sizes, `batch` rows at once (a batch verifies batch x n rows): as the decoding loop runs them,
     the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept) and
     proposing, then one verify pass through Slots, whose slots are dropped again. The trees timed are those
     choose_tree weighs, grown from `rank_accuracy` (default: equal accuracies): a dependent head's drafting cost
     is one call per tree depth, so a tree of the same size but another shape costs another time (over a full 49k
-    vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms)."""
-    base, spec = columnwise_copy(mm.base_model), mm.spec  # as the decoding loop runs it (see columnwise)
+    vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms).
+    `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights)."""
+    base, spec = columnwise_copy(mm.base_model, packs=packs), mm.spec  # as the decoding loop runs it (see columnwise)
     device = base.get_output_embeddings().weight.device
     ids = torch.randint(0, spec.vocab_size, (batch, context), device=device)
     valid = torch.ones_like(ids, dtype=torch.bool)

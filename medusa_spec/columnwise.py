@@ -15,7 +15,8 @@ and its 49152-row LM head 7.4 / 3.2 / 2.7 ms for one row (nn.Linear / 4 rows col
 for 1,024 rows (nn.Linear / oneDNN). So 2-4 rows go column-wise (a tree of 4 nodes is verified for about what one
 decoding step costs) and every other count through oneDNN (one-row steps, wider trees and batches, prefills, the
 data engine's batches, training's packed rows). The sums agree up to fp32 rounding order, as between any two matmul
-kernels.
+kernels. oneDNN's rows run faster still from weights in its own layout, which PackedWeights keeps from call to call
+for the decoding loops and the data engine.
 
 Attention: for a query of several rows and a mask, transformers' sdpa path copies every key and value
 head once per query head of its group (`repeat_kv`), a copy that grows with the context. torch's sdpa
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import copy
 import platform
+import weakref
 
+import psutil
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedConfig
@@ -39,29 +42,83 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 COLUMNWISE_ROWS = 4
 
 
-def _onednn_linear():
-    """oneDNN's fp32 linear (the op torch.compile's CPU backend calls), where this torch build has it; x86 only,
-    where it was measured. None elsewhere: nn.Linear then."""
+def _onednn_ops():
+    """oneDNN's fp32 linear and its weight packing (the ops torch.compile's CPU backend calls), where this torch
+    build has them; x86 only, where they were measured. (None, None) elsewhere: nn.Linear then."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
-        return None
+        return None, None
     try:
-        return torch.ops.mkldnn._linear_pointwise.default
+        return torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._reorder_linear_weight.default
     except (AttributeError, RuntimeError):
-        return None
+        return None, None
 
 
-ONEDNN_LINEAR = _onednn_linear()
+ONEDNN_LINEAR, ONEDNN_PACK = _onednn_ops()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """nn.functional.linear(x, weight, bias), for fp32 on CPU by the fastest kernel measured here: 2-4 rows
-    column-wise, others through oneDNN. Not where autograd needs the graph (oneDNN's op has no backward), and not
-    in bf16 (bf16 kernels round differently enough to flip near-tied greedy tokens against one-row decoding)."""
+class PackedWeights:
+    """oneDNN's own layout of fp32 CPU weights, for linear's `packed_weight`, kept from call to call: called with a
+    plain weight, oneDNN reorders it at every product. SmolLM2-135M's decoder weights, all of them, in ms (medians
+    of 15, nothing else running), plain -> packed: rows 1 15.6 -> 12.9, 2 19.1 -> 13.3, 4 19.6 -> 12.5, 8 23.1 ->
+    13.0, 16 28.8 -> 17.7, 64 63.0 -> 42.7, 128 90.2 -> 70.9; column-wise, the fastest plain kernel for 2-4 rows,
+    13.8 / 16.1 for 2 / 4 rows where packed took 10.7 / 11.4 in the same run. Its LM head for 1 / 4 / 8 rows: 2.5 /
+    4.1 / 6.0 -> 2.3 / 2.4 / 2.2. Packing the model's 211 layers takes 1.0-1.3 s and their memory again, so a
+    MedusaModel keeps one PackedWeights and the data engine one per run; weights are packed only while a quarter of
+the machine's memory stays available.
+
+    A weight packed earlier is used only while it is the same tensor with the same values: `get` compares its
+    product with a fixed random vector (one row's product: 20 ms for the whole model, at each generate call)
+    against the one taken at packing, since an edit through `.data` (peft's merge_adapter) leaves the version
+    counter as it was. A weight that changed is packed again; one that is gone drops its pack."""
+
+    def __init__(self):
+        self.packs: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}  # id -> (weight, check, pack)
+        self.probes: dict[int, torch.Tensor] = {}  # in_features -> the fixed random vector
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight` [out, in] packed (None where linear would not use a pack: no oneDNN, not fp32 on CPU)."""
+        if ONEDNN_PACK is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        plain = weight.detach()
+        columns = plain.shape[1]
+        if columns not in self.probes:  # its own generator: the caller's random stream stays as it was
+            self.probes[columns] = torch.randn(1, columns, generator=torch.Generator().manual_seed(columns))
+        check = ONEDNN_LINEAR(self.probes[columns], plain, None, "none", [], "")
+        key = id(weight)
+        if key in self.packs:
+            ref, known, pack = self.packs[key]
+            if ref() is weight and torch.equal(known, check):
+                return pack
+        if not _room_for(plain.nbytes):
+            return None
+        # Packed for 8 rows: faster than for one at every row count measured (1-128); from 2 rows on, its products
+        # are bit-identical to the plain weight's, one row's round differently (as any two kernels may).
+        pack = ONEDNN_PACK(plain, 8)
+        self.packs[key] = (weakref.ref(weight, lambda _, packs=self.packs, key=key: packs.pop(key, None)), check, pack)
+        return pack
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether `nbytes` more leaves a quarter of this machine's memory available. A pack is a second copy of its
+    weight, a speed-up never worth swapping or the OOM killer (an fp32 8B model takes 32 GB, its packs as much
+    again): past that, layers compute from their plain weights."""
+    memory = psutil.virtual_memory()
+    return memory.available - nbytes >= memory.total // 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.functional.linear(x, weight, bias), for fp32 on CPU by the fastest kernel measured here: oneDNN's from
+    `packed_weight` (PackedWeights.get(weight)) where given, else 2-4 rows column-wise and others oneDNN's. Not where
+    autograd needs the graph (oneDNN's op has no backward), and not in bf16 (bf16 kernels round differently enough
+    to flip near-tied greedy tokens against one-row decoding)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
     if rows == 0 or grad or not (weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32):
         return nn.functional.linear(x, weight, bias)
+    if packed_weight is not None:  # the fastest at every row count measured (see PackedWeights)
+        return ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
     if rows == 1 or rows > COLUMNWISE_ROWS:
         if ONEDNN_LINEAR is None:
             return nn.functional.linear(x, weight, bias)
@@ -103,17 +160,21 @@ _MODULE_CONTAINERS = frozenset(name for name, value in vars(nn.Module()).items()
 
 
 class ColumnwiseLinear(nn.Linear):
-    """nn.Linear computing through `linear`. Only the layers of a columnwise_copy take this class."""
+    """nn.Linear computing through `linear` (from its packed_weight, where columnwise_copy packed one). Only the
+    layers of a columnwise_copy take this class."""
+
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias)
+        return linear(input, self.weight, self.bias, self.packed_weight)
 
 
-def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA) -> nn.Module | None:
+def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
+                    packs: PackedWeights | None = None) -> nn.Module | None:
     """A copy of `module`'s tree whose plain nn.Linear layers compute through `linear`, and whose sdpa attention
     layers through `gqa_sdpa_attention` (or another registered attention function, `attention`: the data engine's
     takes each block of rows' own width); the decoding loops run the base model, the heads and a draft model through
-    one, made per generate call.
+    one, made per generate call. With `packs`, the linear layers compute from the weights it packed (PackedWeights).
 
     Each submodule is copied shallowly with its own nn.Module containers (children, parameter and buffer
     dicts, hook dicts): tensors, config, hook functions and any other attribute are shared, nothing done to the
@@ -148,6 +209,8 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA) -> nn.M
                                    for name, child in original._modules.items()}
         if type(original) is nn.Linear:
             clone.__class__ = ColumnwiseLinear
+            if packs is not None:
+                vars(clone)["packed_weight"] = packs.get(original.weight)
         config = vars(original).get("config")
         # Attention layers: those with a (key/value) group size; GQA_SDPA changes only grouped ones.
         groups = getattr(original, "num_key_value_groups", None)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .accept import Sampling, accept_candidates, draw_targets
 from .base import BaseSpec
-from .columnwise import columnwise_copy
+from .columnwise import PackedWeights, columnwise_copy
 from .inputs import prepare_inputs
 from .kv_cache import new_cache
 from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
@@ -100,9 +100,10 @@ def eval_mode(module: nn.Module | None) -> Iterator[None]:
 def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids: torch.Tensor,
            attention_mask: torch.Tensor | None, max_new_tokens: int, sampling: Sampling, eos_token_id: list[int],
            pad_token_id: int | None, streamer: Streamer | None = None,
-           timer: StepTimer | None = None) -> GenerateOutput:
+           timer: StepTimer | None = None, packs: PackedWeights | None = None) -> GenerateOutput:
     """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate.
-    `timer`: a StepTimer to charge each stage's time to (None: no laps, no extra device syncs)."""
+    `timer`: a StepTimer to charge each stage's time to (None: no laps, no extra device syncs). `packs`: the base
+    model's packed weights, kept by the caller from call to call (see columnwise.PackedWeights)."""
     start = time.perf_counter()
     input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
     # Every model that sees the positions (the base, a draft model) must embed them: the lowest limit caps them.
@@ -120,7 +121,7 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
     with torch.inference_mode(), ExitStack() as modes:
         # The candidates' few rows run column-wise on CPU, through a copy of the model (see columnwise); proposers
         # run in eval mode.
-        base_model = columnwise_copy(base_model)
+        base_model = columnwise_copy(base_model, packs=packs)
         for module in proposer.modules:
             modes.enter_context(eval_mode(module))
         if streamer is not None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from . import autotree, formats, io
 from .base import BaseSpec, inspect_base_model, model_device_dtype
+from .columnwise import PackedWeights
 from .config import MedusaConfig
 from .eagle import draft_layer_shape
 from .heads import MedusaHeads
@@ -43,6 +44,9 @@ class MedusaModel(nn.Module):
         # tree=None's measured trees per (device, dtype, batch) of the base model: costs differ by orders of magnitude
         # between them, and moving the model after a first generate() must not keep a table timed elsewhere.
         self._measured_trees: dict[tuple[torch.device, torch.dtype, int], list[dict]] = {}
+        # The base model's fp32 CPU weights in oneDNN's layout, packed at the first generate() and kept while they
+        # hold the same values (see columnwise.PackedWeights); here, not on the caller's model.
+        self._packed_weights = PackedWeights()
 
     @property
     def spec(self) -> BaseSpec:
@@ -147,7 +151,8 @@ class MedusaModel(nn.Module):
             raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
                              "with an eval split or run `medusa-spec tree --model ... --data ...` first")
         latency, draft_seconds = autotree.measure_step_costs(self, sizes=sizes, context=context, repeats=repeats,
-                                                             rank_accuracy=rank_accuracy, batch=batch)
+                                                             rank_accuracy=rank_accuracy, batch=batch,
+                                                             packs=self._packed_weights)
         return autotree.choose_tree(rank_accuracy, latency, draft_seconds)
 
     def _rank_accuracy(self) -> list[list[float]] | None:
@@ -192,7 +197,7 @@ class MedusaModel(nn.Module):
             proposer = heads_proposer(self.base_model, self.heads, self.tree(tree, batch))
         proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
-                      streamer, timer)
+                      streamer, timer, self._packed_weights)
 
 
 def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:

@@ -37,8 +37,10 @@ def test_linear_keeps_autograd_where_a_gradient_is_wanted():
 
 
 def spy_on_products(monkeypatch):
-    """Records (id of the weight, rows, kernel) of every product taken column-wise ("mm") or by oneDNN."""
+    """Records (id of the weight, rows, kernel) of every product taken column-wise ("mm") or by oneDNN (from the
+    plain weights: packing is oneDNN's own, tested below)."""
     products = []
+    monkeypatch.setattr(columnwise, "ONEDNN_PACK", None)
     original_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda w, x: products.append((id(w), x.shape[1], "mm")) or original_mm(w, x))
 
@@ -188,3 +190,82 @@ def test_training_runs_a_frozen_base_through_the_fast_kernels_and_a_trained_one_
     trained.hidden.sum().backward()
     assert model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
     assert not any(isinstance(m, columnwise.ColumnwiseLinear) for m in model.modules())  # the caller's model: as it was
+
+
+needs_onednn = pytest.mark.skipif(columnwise.ONEDNN_PACK is None, reason="oneDNN's packing is x86-only")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 65, 300])
+def test_packed_weights_give_the_plain_products(rows, monkeypatch):
+    """From 2 rows on bit-identical to oneDNN on the plain weight; one row rounds as another kernel may. Any row
+    count takes the pack, column-wise's 2-4 too."""
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(24, 40)
+    pack = columnwise.PackedWeights().get(layer.weight)
+    x = torch.randn(2, rows, 24)
+    with torch.no_grad():
+        monkeypatch.setattr(torch, "mm", None)  # never column-wise from a pack
+        got = linear(x, layer.weight, layer.bias, pack)
+        monkeypatch.undo()
+        torch.testing.assert_close(got, layer(x))
+        if rows > 1:
+            assert torch.equal(got, columnwise.ONEDNN_LINEAR(x, layer.weight, layer.bias, "none", [], ""))
+
+
+@needs_onednn
+def test_a_pack_is_kept_while_its_weight_holds_the_same_values_and_dropped_with_it(monkeypatch):
+    packs = columnwise.PackedWeights()
+    calls = []
+    pack_op = columnwise.ONEDNN_PACK
+    monkeypatch.setattr(columnwise, "ONEDNN_PACK", lambda w, rows: calls.append(1) or pack_op(w, rows))
+    layer = torch.nn.Linear(16, 8)
+    first = packs.get(layer.weight)
+    assert packs.get(layer.weight) is first and len(calls) == 1
+    x = torch.randn(3, 16)
+    # An edit the version counter does not see (peft's merge_adapter adds its delta through .data) is packed again.
+    layer.weight.data[2, 5] += 0.5
+    second = packs.get(layer.weight)
+    assert second is not first and len(calls) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, layer.weight, layer.bias, second), layer(x))
+    assert packs.get(torch.nn.Linear(16, 8, dtype=torch.float64).weight) is None  # oneDNN's fp32 only
+    del layer, first, second
+    assert not packs.packs  # a weight that is gone takes its pack with it
+
+
+@needs_onednn
+def test_weights_are_not_packed_where_memory_runs_short(monkeypatch):
+    """A pack is a second copy of its weight: none is made that would leave under a quarter of memory available."""
+    layer = torch.nn.Linear(256, 256)  # 256 KiB
+    memory = type("Memory", (), {"total": 4 << 20, "available": (1 << 20) + layer.weight.nbytes - 1})
+    monkeypatch.setattr(columnwise.psutil, "virtual_memory", lambda: memory)
+    assert columnwise.PackedWeights().get(layer.weight) is None
+    memory.available += 1
+    assert columnwise.PackedWeights().get(layer.weight) is not None
+
+
+@needs_onednn
+def test_generate_packs_once_and_follows_a_weight_edited_between_calls(monkeypatch):
+    """The packs a MedusaModel keeps never outlive the values they were made from: after a .data edit of the base
+    model, generate is again token-identical to transformers' greedy generate on the edited model."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    calls = []
+    pack_op = columnwise.ONEDNN_PACK
+    monkeypatch.setattr(columnwise, "ONEDNN_PACK", lambda w, rows: calls.append(1) or pack_op(w, rows))
+    ids = torch.randint(3, VOCAB, (1, 6))
+    tree = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=tree)
+    packed = len(calls)
+    assert packed == sum(type(m) is torch.nn.Linear for m in model.modules())
+    mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=tree)
+    assert len(calls) == packed  # kept from call to call
+    for layer in model.model.layers:
+        layer.mlp.down_proj.weight.data.mul_(-3.0)  # as a merge through .data: no version bump
+    out = mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=tree)
+    assert len(calls) == packed + len(model.model.layers)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(out.sequences, expected)

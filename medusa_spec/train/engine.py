@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..accept import Sampling, kept_scores
 from ..base import inspect_base_model
-from ..columnwise import columnwise_copy, gqa_sdpa_attention
+from ..columnwise import PackedWeights, columnwise_copy, gqa_sdpa_attention
 from ..verify import layer_masks
 from .repetition import LoopWatch
 
@@ -207,7 +207,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     if chunk_rows < 1:
         raise ValueError(f"decode_stream: chunk_rows must be at least 1, got {chunk_rows}")
     # A copy whose attention layers take row_blocks (the caller's model stays as it is); itself where none is made.
-    runner = columnwise_copy(model, attention=ROW_BLOCKS_SDPA)
+    runner = columnwise_copy(model, attention=ROW_BLOCKS_SDPA, packs=PackedWeights())
     # Its forward passes them on only if it takes keyword arguments it does not name (transformers' models do).
     by_blocks = (any(getattr(getattr(m, "config", None), "_attn_implementation", None) == ROW_BLOCKS_SDPA
                      for m in runner.modules())
