@@ -22,13 +22,17 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer):
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
                              f"{tuple(input_ids.shape)}")
-        if not bool((attention_mask.sum(-1) > 0).all()):
-            raise ValueError("a row of attention_mask is all padding: every prompt needs at least one token")
-        if not bool(attention_mask[:, -1].bool().all()):
-            raise ValueError("prompts must be left-padded (attention_mask[:, -1] must be 1): "
-                             "set tokenizer.padding_side = 'left'")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer works with one prompt (batch size 1), as in transformers")
+
+
+def _check_padding(attention_mask: torch.Tensor, source: str) -> None:
+    """`source`: where the mask came from, for the message."""
+    if not bool((attention_mask.sum(-1) > 0).all()):
+        raise ValueError(f"a row of {source} is all padding: every prompt needs at least one token")
+    if not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError(f"prompts must be left-padded, but {source} makes the last token of a row padding: "
+                         f"set tokenizer.padding_side = 'left'")
 
 
 # What transformers' generate uses for a sampling argument that neither the call nor the model's
@@ -72,10 +76,25 @@ def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[l
     return ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])), pad_token_id
 
 
-def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer):
-    """Checked inputs on the model's device: (input_ids, attention_mask as bool)."""
+def padding_mask(input_ids: torch.Tensor, eos_token_id: list[int], pad_token_id: int | None) -> torch.Tensor:
+    """The attention mask transformers' generate infers when none is given (_prepare_attention_mask_for_generation):
+    tokens equal to pad_token_id are padding, unless there is none or it is also an eos id (then every token counts).
+    transformers also asks whether the pad id occurs at all; where it does not, input_ids.ne(pad) is all ones anyway."""
+    if pad_token_id is None or pad_token_id in eos_token_id:
+        return torch.ones_like(input_ids)
+    return input_ids.ne(pad_token_id)
+
+
+def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer, eos_token_id: list[int],
+                   pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked inputs on the model's device: (input_ids, attention_mask as bool). Without an attention_mask, padding
+    is inferred from pad_token_id as transformers' generate infers it."""
     _check_inputs(input_ids, attention_mask, max_new_tokens, streamer)
+    source = "attention_mask"
+    if attention_mask is None:
+        attention_mask = padding_mask(input_ids, eos_token_id, pad_token_id)
+        source = (f"input_ids (with no attention_mask given, tokens equal to pad_token_id={pad_token_id} are padding, "
+                  f"as in transformers' generate; pass the tokenizer's attention_mask)")
+    _check_padding(attention_mask, source)
     device, _ = model_device_dtype(model)
-    input_ids = input_ids.to(device=device, dtype=torch.long)
-    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)).bool()
-    return input_ids, attention_mask
+    return input_ids.to(device=device, dtype=torch.long), attention_mask.to(device).bool()

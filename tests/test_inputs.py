@@ -53,6 +53,11 @@ def test_bad_prompts(mm):
         mm.generate(IDS.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
     with pytest.raises(ValueError, match="batch size 1"):
         mm.generate(IDS.repeat(2, 1), streamer=object())
+    # No attention_mask: tokens equal to pad_token_id (0) are padding, as transformers' generate infers it.
+    with pytest.raises(ValueError, match="left-padded, but input_ids .*pad_token_id=0 are padding"):
+        mm.generate(torch.tensor([[5, 6, 0]]))
+    with pytest.raises(ValueError, match="a row of input_ids .*pad_token_id=0.* is all padding"):
+        mm.generate(torch.tensor([[5, 6, 7], [0, 0, 0]]))
 
 
 def test_heads_for_another_model_are_refused(tmp_path):
