@@ -104,8 +104,8 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
     """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate.
     `timer`: a StepTimer to charge each stage's time to (None: no laps, no extra device syncs)."""
     start = time.perf_counter()
-    input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer,
-                                               eos_token_id, pad_token_id)
+    input_ids, attention_mask, max_new_tokens = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens,
+                                                               streamer, eos_token_id, pad_token_id)
     # Every model that sees the positions (the base, a draft model) must embed them: the lowest limit caps them.
     limits = [last_position(m, attention_mask, max_new_tokens) for m in (base_model, *proposer.modules)]
     max_position = min((limit for limit in limits if limit is not None), default=None)
