@@ -91,6 +91,29 @@ def test_bad_prompts(mm):
         mm.generate(torch.tensor([[5, 6, 7], [0, 0, 0]]))
 
 
+def test_config_must_be_a_medusa_config_with_a_valid_tree():
+    with pytest.raises(TypeError, match=r"config must be a MedusaConfig, got dict; .*MedusaConfig\(\*\*config\)"):
+        MedusaModel.from_base(tiny_model("llama"), {"num_heads": 2})
+    # The message generate(tree=[0, 1]) gives.
+    with pytest.raises(ValueError, match="tree: each entry must be a non-empty list of integer ranks, got 0"):
+        MedusaConfig(num_heads=2, tree=[0, 1])
+
+
+def test_heads_left_behind_by_a_moved_base_model_are_refused_naming_the_fix():
+    base = tiny_model("llama")
+    mm = MedusaModel.from_base(base, MedusaConfig(num_heads=3))
+    base.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"heads are in torch.float32 on cpu but the base model is in torch.bfloat16 "
+                                         r"on cpu.*medusa_model.to\(torch.bfloat16\)"):
+        mm.generate(IDS, max_new_tokens=2)
+    assert mm.heads.blocks[0].layers[0].weight.dtype == torch.float32  # refused, not moved behind the caller's back
+    mm.to(torch.bfloat16)
+    assert mm.generate(IDS, max_new_tokens=2).sequences.shape == (1, 6)
+    base.to("meta")
+    with pytest.raises(ValueError, match="on cpu but the base model is in torch.bfloat16 on meta"):
+        mm.generate(IDS, max_new_tokens=2)
+
+
 def test_heads_for_another_model_are_refused(tmp_path):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="hidden_size=48 but the base model has 32"):
