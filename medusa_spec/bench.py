@@ -76,12 +76,14 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
     drafts: {method: draft model} for the draft methods."""
     base = mm.base_model
     input_ids = input_ids.to(base.device)
+    # Every method reads the whole prompt: none infers padding from a pad token the prompt happens to hold.
+    mask = torch.ones_like(input_ids)
     start = time.perf_counter()
     if method.startswith("hf_"):
         extra = {"hf_prompt_lookup": dict(prompt_lookup_num_tokens=LOOKUP_TOKENS),
                  "hf_sample": SAMPLING}.get(method, {})
         with torch.inference_mode():
-            sequence = base.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+            sequence = base.generate(input_ids, attention_mask=mask,
                                      max_new_tokens=max_new_tokens, **{"do_sample": False, **extra})[0]
         seconds = time.perf_counter() - start
         new = sequence.shape[0] - input_ids.shape[1]
@@ -89,13 +91,13 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
                 "sequence": sequence.cpu()}
     timer = StepTimer()
     if method in DRAFT_METHODS:
-        out = generate_with_draft(base, drafts[method], input_ids, max_new_tokens=max_new_tokens, timer=timer)
+        out = generate_with_draft(base, drafts[method], input_ids, mask, max_new_tokens=max_new_tokens, timer=timer)
     else:
         # lookup is the chain alone: the root-only tree (tree=[]) with the chain, as generate_with_lookup(base).
         options = {"medusa_off": dict(tree=[]), "medusa_sample": SAMPLING,
                    "medusa_lookup": dict(lookup_tokens=lookup_tokens),
                    "lookup": dict(tree=[], lookup_tokens=lookup_tokens)}.get(method, {})
-        out = mm.generate(input_ids, max_new_tokens=max_new_tokens, timer=timer, **{"tree": tree, **options})
+        out = mm.generate(input_ids, mask, max_new_tokens=max_new_tokens, timer=timer, **{"tree": tree, **options})
     seconds = time.perf_counter() - start
     record = {"new_tokens": out.stats.new_tokens[0], "seconds": seconds, "steps": out.stats.row_steps[0],
               "stage_seconds": timer.seconds, "timed_steps": timer.steps, "sequence": out.sequences[0].cpu()}

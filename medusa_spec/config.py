@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .tree import validate_choices
+
 FORMAT_VERSION = 1
 CONFIG_NAME = "medusa_config.json"
 # A saved config must state these: without them the weights' shapes and the base-model checks are guesses.
@@ -95,7 +97,8 @@ class MedusaConfig:
         self.feature_layers = sorted(layers)
         self._check_draft_layer()
         if self.tree is not None:
-            self.tree = [list(map(int, path)) for path in self.tree]
+            validate_choices(self.tree, self.num_heads)
+            self.tree = [list(path) for path in self.tree]
         if self.weights_sha256 is not None and not (isinstance(self.weights_sha256, str)
                                                     and re.fullmatch(r"[0-9a-f]{64}", self.weights_sha256)):
             raise ValueError(f"MedusaConfig.weights_sha256 must be 64 lowercase hex digits or null, got "

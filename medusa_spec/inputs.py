@@ -10,25 +10,53 @@ from .accept import Sampling
 from .base import model_device_dtype
 
 
-def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer):
+def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer, vocab_size: int) -> int:
+    """Raise ValueError naming what is wrong with the prompt tensors and arguments; returns max_new_tokens as an int."""
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
         raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length] "
                          "(e.g. tokenizer(..., return_tensors='pt').input_ids)")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one prompt token per row")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
-                             f"{tuple(input_ids.shape)}")
-        if not bool((attention_mask.sum(-1) > 0).all()):
-            raise ValueError("a row of attention_mask is all padding: every prompt needs at least one token")
-        if not bool(attention_mask[:, -1].bool().all()):
-            raise ValueError("prompts must be left-padded (attention_mask[:, -1] must be 1): "
-                             "set tokenizer.padding_side = 'left'")
+    # Before the first forward pass: an id past the embedding's rows is an IndexError deep inside torch.
+    check_token_ids(input_ids.tolist(), vocab_size, "input_ids", "the prompts")
+    max_new_tokens = _scalar(max_new_tokens)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        not_a_count = " (True/False is not a count)" if isinstance(max_new_tokens, bool) else ""
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}{not_a_count}")
+    if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape):
+        shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got {shape} "
+                         f"(e.g. tokenizer(..., return_tensors='pt').attention_mask)")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer works with one prompt (batch size 1), as in transformers")
+    return max_new_tokens
+
+
+def _check_padding(attention_mask: torch.Tensor, source: str) -> None:
+    """`source`: where the mask came from, for the message."""
+    if not bool((attention_mask.sum(-1) > 0).all()):
+        raise ValueError(f"a row of {source} is all padding: every prompt needs at least one token")
+    if not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError(f"prompts must be left-padded, but {source} makes the last token of a row padding: "
+                         f"set tokenizer.padding_side = 'left'")
+
+
+def check_token_ids(rows: list[list[int]], vocab_size: int, name: str, what: str) -> None:
+    """Raise ValueError naming the first of `rows` (token id lists) holding an id outside [0, vocab_size)."""
+    for i, row in enumerate(rows):
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name}[{i}] holds token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size}); "
+                             f"tokenize {what} with the model's own tokenizer (one with tokens added needs "
+                             f"base_model.resize_token_embeddings(len(tokenizer)))")
+
+
+def _scalar(value):
+    """A numpy scalar or 0-d tensor as the Python number it holds (max_new_tokens=np.int64(5), as transformers'
+    generate takes it; temperature=torch.tensor(0.7)); any other value as given, for the checks to refuse."""
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        return value.item()
+    return value
 
 
 # What transformers' generate uses for a sampling argument that neither the call nor the model's
@@ -50,7 +78,9 @@ def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, to
         value = given[name]
         if value is None:
             value = getattr(gen_config, name, None)
-        resolved[name] = default if value is None else value
+        resolved[name] = _scalar(default if value is None else value)
+    if not isinstance(resolved["do_sample"], bool):  # a truthy "false" would sample
+        raise ValueError(f"do_sample must be True or False, got {resolved['do_sample']!r}")
     if resolved["do_sample"]:
         for name, neutral in UNSUPPORTED_WARPERS:
             value = getattr(gen_config, name, None)
@@ -59,7 +89,7 @@ def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, to
                                  f"applies when sampling and medusa_spec does not (it samples with temperature, "
                                  f"top_k and top_p only); set base_model.generation_config.{name} = {neutral!r} to "
                                  f"sample without it")
-    return Sampling(bool(resolved["do_sample"]), resolved["temperature"], resolved["top_k"], resolved["top_p"])
+    return Sampling(resolved["do_sample"], resolved["temperature"], resolved["top_k"], resolved["top_p"])
 
 
 def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
@@ -69,13 +99,40 @@ def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[l
         eos_token_id = getattr(gen_config, "eos_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(gen_config, "pad_token_id", None)
-    return ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])), pad_token_id
+    if torch.is_tensor(eos_token_id):  # as transformers takes it
+        eos_token_id = eos_token_id.tolist()
+    eos = [] if eos_token_id is None else eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    eos = [_token_id(token, "eos_token_id", "a token id (an int) or a list of them") for token in eos]
+    return eos, None if pad_token_id is None else _token_id(pad_token_id, "pad_token_id", "a token id (an int)")
 
 
-def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer):
-    """Checked inputs on the model's device: (input_ids, attention_mask as bool)."""
-    _check_inputs(input_ids, attention_mask, max_new_tokens, streamer)
+def _token_id(value, name: str, expected: str) -> int:
+    value = _scalar(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be {expected}, not {value!r}: pass the id, e.g. tokenizer.{name}")
+    return value
+
+
+def padding_mask(input_ids: torch.Tensor, eos_token_id: list[int], pad_token_id: int | None) -> torch.Tensor:
+    """The attention mask transformers' generate infers when none is given (_prepare_attention_mask_for_generation):
+    tokens equal to pad_token_id are padding, unless there is none or it is also an eos id (then every token counts).
+    transformers also asks whether the pad id occurs at all; where it does not, input_ids.ne(pad) is all ones anyway."""
+    if pad_token_id is None or pad_token_id in eos_token_id:
+        return torch.ones_like(input_ids)
+    return input_ids.ne(pad_token_id)
+
+
+def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer, eos_token_id: list[int],
+                   pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Checked inputs on the model's device: (input_ids, attention_mask as bool, max_new_tokens). Without an
+    attention_mask, padding is inferred from pad_token_id as transformers' generate infers it."""
+    max_new_tokens = _check_inputs(input_ids, attention_mask, max_new_tokens, streamer,
+                                   model.get_input_embeddings().num_embeddings)
+    source = "attention_mask"
+    if attention_mask is None:
+        attention_mask = padding_mask(input_ids, eos_token_id, pad_token_id)
+        source = (f"input_ids (with no attention_mask given, tokens equal to pad_token_id={pad_token_id} are padding, "
+                  f"as in transformers' generate; pass the tokenizer's attention_mask)")
+    _check_padding(attention_mask, source)
     device, _ = model_device_dtype(model)
-    input_ids = input_ids.to(device=device, dtype=torch.long)
-    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)).bool()
-    return input_ids, attention_mask
+    return input_ids.to(device=device, dtype=torch.long), attention_mask.to(device).bool(), max_new_tokens

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .inputs import check_token_ids
 from .output import GenerationStats
 from .propose import Candidates, Prompt, Proposer, RootOnly, StepResult
 from .tree import Tree, chain_tree
@@ -55,11 +56,8 @@ def check_documents(documents, vocab_size: int) -> list[list[int]]:
         not_ids = [t for t in document if not isinstance(t, int) or isinstance(t, bool)]
         if not_ids:
             raise ValueError(f"documents[{i}] holds {not_ids[0]!r}, not a token id; {fix}")
-        bad = [t for t in document if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"documents[{i}] holds token ids {bad[:5]} outside the model's vocabulary "
-                             f"[0, {vocab_size}); tokenize the documents with the model's own tokenizer")
         checked.append(list(document))
+    check_token_ids(checked, vocab_size, "documents", "the documents")
     return checked
 
 

@@ -105,7 +105,8 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
     `timer`: a StepTimer to charge each stage's time to (None: no laps, no extra device syncs). `packs`: the base
     model's packed weights, kept by the caller from call to call (see columnwise.PackedWeights)."""
     start = time.perf_counter()
-    input_ids, attention_mask = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens, streamer)
+    input_ids, attention_mask, max_new_tokens = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens,
+                                                               streamer, eos_token_id, pad_token_id)
     # Every model that sees the positions (the base, a draft model) must embed them: the lowest limit caps them.
     limits = [last_position(m, attention_mask, max_new_tokens) for m in (base_model, *proposer.modules)]
     max_position = min((limit for limit in limits if limit is not None), default=None)

@@ -58,7 +58,11 @@ class MedusaModel(nn.Module):
     def from_base(cls, base_model: nn.Module, config: MedusaConfig | None = None) -> "MedusaModel":
         """Attach freshly initialised heads to `base_model`."""
         spec = inspect_base_model(base_model)
-        config = config or MedusaConfig()
+        if config is None:
+            config = MedusaConfig()
+        if not isinstance(config, MedusaConfig):
+            raise TypeError(f"config must be a MedusaConfig, got {type(config).__name__}; for a dict, pass "
+                            f"MedusaConfig(**config)")
         _check_sizes(config, spec, source="MedusaConfig")
         draft_layer = config.draft_layer
         if config.head_type == "eagle" and draft_layer is None:
@@ -66,8 +70,6 @@ class MedusaModel(nn.Module):
         config = dataclasses.replace(config, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                                      base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path,
                                      draft_layer=draft_layer)
-        if config.tree is not None:
-            build_tree(config.tree, config.num_heads)  # validate now, not at the first generate()
         heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
                             config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
                             config.feature_layers, config.draft_layer)
@@ -146,6 +148,7 @@ class MedusaModel(nn.Module):
         measured in training (metrics.eval.rank_accuracy). Returns (rank paths, the table of candidates).
         Measures at each call; generate(tree=None) measures once and keeps the choice. A finer grid:
         sizes=autotree.CANDIDATE_SIZES."""
+        _check_heads_follow(self.base_model, self.heads)
         rank_accuracy = self._rank_accuracy()
         if not rank_accuracy:
             raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
@@ -182,6 +185,7 @@ class MedusaModel(nn.Module):
         loop.StepTimer that adds up each decoding stage's time. The heads run in eval mode and are left in
         the mode they were in.
         """
+        _check_heads_follow(self.base_model, self.heads)
         sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p)
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
         spec = self.spec
@@ -215,3 +219,14 @@ def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:
         if got is not None and got != expected:
             raise ValueError(f"{source}: heads have {name}={got} but the base model has {expected}; "
                              f"these heads belong to another model ({config.base_model_name_or_path or 'unknown'})")
+
+
+def _check_heads_follow(base_model: nn.Module, heads: nn.Module) -> None:
+    """Refuse heads on another device or in another dtype than the base model (moved alone, as by base_model.half()
+    after the heads were attached): their first matmul would fail deep inside torch. Nothing is moved here."""
+    device, dtype = model_device_dtype(base_model)
+    for p in heads.parameters():
+        if p.device != device or p.dtype != dtype:
+            raise ValueError(f"the heads are in {p.dtype} on {p.device} but the base model is in {dtype} on {device} "
+                             f"(one was moved without the other): move both together with the "
+                             f"MedusaModel, e.g. medusa_model.to({dtype}) or medusa_model.to('{device}')")

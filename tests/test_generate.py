@@ -117,6 +117,20 @@ def test_mixed_length_batch_equals_per_row_generation(arch):
     assert out.stats.tokens_per_step > 2.0
 
 
+def test_padded_batch_without_attention_mask_reads_padding_as_transformers_does():
+    """No attention_mask: transformers' generate treats tokens equal to pad_token_id as padding, unless that id is
+    also an eos id; medusa_spec must read the same prompt."""
+    model = tiny_model("llama")
+    ids, _ = left_padded([prompt(8, seed=20)[0], prompt(5, seed=21)[0]])  # padded with 0, the models' pad_token_id
+    expected = reference_generate(model, ids, max_new_tokens=12)
+    assert torch.equal(medusa(model).generate(ids, max_new_tokens=12, tree=TREE).sequences, expected)
+    # pad_token_id == eos_token_id: transformers reads every token, the pad-valued ones too.
+    eos_padded = ids.masked_fill(ids == 0, 2)
+    expected = reference_generate(model, eos_padded, max_new_tokens=12, eos_token_id=2, pad_token_id=2)
+    out = medusa(model).generate(eos_padded, max_new_tokens=12, eos_token_id=2, pad_token_id=2, tree=TREE)
+    assert torch.equal(out.sequences, expected)
+
+
 def test_eos_inside_accepted_path_stops_the_row():
     model = tiny_model("llama")
     ids = prompt(seed=4, batch=1)

@@ -52,6 +52,10 @@ def test_padded_batch_equals_plain_generate(route):
     ours = model.generate(ids, attention_mask=mask, max_new_tokens=20, medusa_heads=mm, tree=TREE, **ROUTES[route])
     assert torch.equal(ours, expected)
     assert torch.equal(ours, mm.generate(ids, attention_mask=mask, max_new_tokens=20, tree=TREE).sequences)
+    # Without the mask transformers infers it from the pad token (0 here) and hands it over; MedusaModel.generate
+    # infers the same one.
+    assert torch.equal(model.generate(ids, max_new_tokens=20, medusa_heads=mm, tree=TREE, **ROUTES[route]), expected)
+    assert torch.equal(mm.generate(ids, max_new_tokens=20, tree=TREE).sequences, expected)
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the problem and the fix; trees and the basic save/load."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -36,10 +37,38 @@ def test_invalid_tree_is_refused(mm, tree, message):
     (dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(do_sample=True, top_k=-1), "top_k must be an integer >= 1"),  # 0 turns top-k off, as in transformers
+    (dict(max_new_tokens=True), r"max_new_tokens must be an integer >= 1, got True \(True/False is not a count\)"),
+    (dict(do_sample="false"), "do_sample must be True or False, got 'false'"),  # a truthy string would sample
+    (dict(eos_token_id="</s>"), r"eos_token_id must be a token id \(an int\) or a list of them, not '</s>'.*"
+                                r"tokenizer.eos_token_id"),
+    (dict(eos_token_id=[2, "</s>"]), "eos_token_id must be a token id"),
+    (dict(pad_token_id="<pad>"), r"pad_token_id must be a token id \(an int\), not '<pad>'.*tokenizer.pad_token_id"),
 ])
 def test_bad_generation_arguments(mm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         mm.generate(IDS, **kwargs)
+
+
+def test_numpy_and_tensor_scalars_are_taken_as_numbers(mm):
+    greedy = mm.generate(IDS, max_new_tokens=5).sequences
+    assert torch.equal(mm.generate(IDS, max_new_tokens=np.int64(5)).sequences, greedy)
+    assert torch.equal(mm.generate(IDS, max_new_tokens=torch.tensor(5), do_sample=np.bool_(False)).sequences, greedy)
+    torch.manual_seed(0)
+    sampled = mm.generate(IDS, max_new_tokens=5, do_sample=True, temperature=0.5, top_k=5).sequences
+    torch.manual_seed(0)
+    assert torch.equal(mm.generate(IDS, max_new_tokens=5, do_sample=True, temperature=torch.tensor(0.5),
+                                   top_k=np.int64(5)).sequences, sampled)
+    torch.manual_seed(0)
+    assert torch.equal(mm.generate(IDS, max_new_tokens=5, do_sample=True, temperature=np.float32(0.5),
+                                   top_k=torch.tensor(5)).sequences, sampled)
+
+
+@pytest.mark.parametrize("ids, row, bad", [([[5, 6, VOCAB + 10]], 0, VOCAB + 10), ([[5, 6, 7], [5, -100, 7]], 1, -100)])
+def test_token_ids_outside_the_vocabulary_are_refused(mm, ids, row, bad):
+    with pytest.raises(ValueError, match=rf"input_ids\[{row}\] holds token ids \[{bad}\] outside the model's "
+                                         rf"vocabulary \[0, {VOCAB}\); tokenize the prompts with the model's own "
+                                         rf"tokenizer.*resize_token_embeddings"):
+        mm.generate(torch.tensor(ids), max_new_tokens=2)
 
 
 def test_bad_prompts(mm):
@@ -53,6 +82,36 @@ def test_bad_prompts(mm):
         mm.generate(IDS.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
     with pytest.raises(ValueError, match="batch size 1"):
         mm.generate(IDS.repeat(2, 1), streamer=object())
+    with pytest.raises(ValueError, match=r"attention_mask must be a tensor of input_ids' shape \(1, 4\), got list"):
+        mm.generate(IDS, attention_mask=[[1, 1, 1, 1]])
+    # No attention_mask: tokens equal to pad_token_id (0) are padding, as transformers' generate infers it.
+    with pytest.raises(ValueError, match="left-padded, but input_ids .*pad_token_id=0 are padding"):
+        mm.generate(torch.tensor([[5, 6, 0]]))
+    with pytest.raises(ValueError, match="a row of input_ids .*pad_token_id=0.* is all padding"):
+        mm.generate(torch.tensor([[5, 6, 7], [0, 0, 0]]))
+
+
+def test_config_must_be_a_medusa_config_with_a_valid_tree():
+    with pytest.raises(TypeError, match=r"config must be a MedusaConfig, got dict; .*MedusaConfig\(\*\*config\)"):
+        MedusaModel.from_base(tiny_model("llama"), {"num_heads": 2})
+    # The message generate(tree=[0, 1]) gives.
+    with pytest.raises(ValueError, match="tree: each entry must be a non-empty list of integer ranks, got 0"):
+        MedusaConfig(num_heads=2, tree=[0, 1])
+
+
+def test_heads_left_behind_by_a_moved_base_model_are_refused_naming_the_fix():
+    base = tiny_model("llama")
+    mm = MedusaModel.from_base(base, MedusaConfig(num_heads=3))
+    base.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"heads are in torch.float32 on cpu but the base model is in torch.bfloat16 "
+                                         r"on cpu.*medusa_model.to\(torch.bfloat16\)"):
+        mm.generate(IDS, max_new_tokens=2)
+    assert mm.heads.blocks[0].layers[0].weight.dtype == torch.float32  # refused, not moved behind the caller's back
+    mm.to(torch.bfloat16)
+    assert mm.generate(IDS, max_new_tokens=2).sequences.shape == (1, 6)
+    base.to("meta")
+    with pytest.raises(ValueError, match="on cpu but the base model is in torch.bfloat16 on meta"):
+        mm.generate(IDS, max_new_tokens=2)
 
 
 def test_heads_for_another_model_are_refused(tmp_path):
