@@ -33,6 +33,10 @@ DOCS=$OUT/document_prompts.jsonl
 POOLS+=("$DOCS")
 medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
 STEP=${STEP:-1000}
-for ((n = STEP; n < SELF + STEP; n += STEP)); do
+# Resume at the step of the last prompt already written: a step answers every unanswered prompt up to its number,
+# so the steps before it would only load the model again (14 of them took about 20 minutes here).
+WRITTEN=$(cat "$OUT/self_prompts.jsonl" 2>/dev/null | wc -l)
+FIRST=$(( WRITTEN - WRITTEN % STEP > STEP ? WRITTEN - WRITTEN % STEP : STEP ))
+for ((n = FIRST < SELF ? FIRST : SELF; n < SELF + STEP; n += STEP)); do
   medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" --self-prompts $((n < SELF ? n : SELF)) "$@"
 done
