@@ -15,6 +15,7 @@ import torch
 
 from .bench import LOOKUP_TOKENS
 from .default_model import DISTRIBUTION
+from .formats import heads_without_model
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +52,11 @@ def check_model_folder(path: str | Path, flag: str = "--model", tokenizer: bool 
     if not path.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such folder; give a local folder holding {what}, as written by "
                                 f"save_pretrained (nothing is downloaded)")
+    heads = heads_without_model(path)
+    if heads is not None:
+        raise ValueError(f"{flag} {path} holds Medusa heads ({heads} format), not a model: heads go with --heads "
+                         f"(--init-heads in train); give {flag} the folder holding {what}, as written by "
+                         f"save_pretrained")
     missing = [] if (path / "config.json").is_file() else ["no model (config.json)"]
     # Any one of these makes a tokenizer AutoTokenizer loads: save_pretrained writes the first two, older checkpoints
     # may hold only a vocabulary file.

@@ -55,6 +55,19 @@ def detect_format(path: str | Path) -> str:
         f"(vLLM)")
 
 
+def heads_without_model(path: str | Path) -> str | None:
+    """The format of the Medusa heads in the folder `path` where no model is saved beside them, else None: for a
+    check that a folder given as a model is not an adapter (vLLM's and original Medusa's config.json are the heads'
+    own, so the folder looks like a model to transformers until its weights fail to load)."""
+    path = Path(path)
+    try:
+        fmt = detect_format(path)
+        base = (path / HF_CONFIG).is_file() and _config_format(json.loads((path / HF_CONFIG).read_text())) is None
+    except (OSError, ValueError):  # no heads, or a config.json that is no JSON: for the model loader to report
+        return None
+    return None if base else fmt
+
+
 def _config_format(config: dict) -> str | None:
     """"vllm" or "medusa" for a config.json of that format's heads; None for any other (a base model's)."""
     if config.get("model_type") == "medusa":

@@ -342,15 +342,13 @@ def test_a_model_that_is_no_local_folder_is_refused_before_any_model_loads(model
 
 @pytest.mark.parametrize("folder, lacks", [
     ("empty", "no model (config.json) and no tokenizer (tokenizer_config.json, tokenizer.json)"),
-    ("heads", "no model (config.json) and no tokenizer (tokenizer_config.json, tokenizer.json)"),
     ("weights only", "no tokenizer (tokenizer_config.json, tokenizer.json)"),
-], ids=["empty", "heads", "weights-only"])
+], ids=["empty", "weights-only"])
 @pytest.mark.parametrize("command", ["generate", "distill"])
-def test_a_folder_without_model_or_tokenizer_says_what_it_lacks(heads_dir, tmp_path, loaded, capsys, folder, lacks,
-                                                                command):
-    """An empty folder, a heads folder, or a model saved without its tokenizer, given as --model: the error names
-    what the folder lacks (transformers would say to install sentencepiece)."""
-    path = {"empty": tmp_path / "empty", "heads": heads_dir, "weights only": tmp_path / "weights"}[folder]
+def test_a_folder_without_model_or_tokenizer_says_what_it_lacks(tmp_path, loaded, capsys, folder, lacks, command):
+    """An empty folder or a model saved without its tokenizer, given as --model: the error names what the folder
+    lacks (transformers would say to install sentencepiece)."""
+    path = {"empty": tmp_path / "empty", "weights only": tmp_path / "weights"}[folder]
     path.mkdir(exist_ok=True)
     if folder == "weights only":
         tiny_model("llama").save_pretrained(path)
@@ -363,14 +361,56 @@ def test_a_folder_without_model_or_tokenizer_says_what_it_lacks(heads_dir, tmp_p
     assert loaded == []
 
 
+@pytest.fixture(scope="module")
+def heads_in_every_format(model_dir, heads_dir, tmp_path_factory):
+    """The tiny model's heads as medusa_spec saves them and as convert writes vLLM's and original Medusa's layouts
+    (whose config.json is the heads' own: to transformers the folder looks like a model)."""
+    folders = {"medusa_spec": heads_dir}
+    for fmt in ("vllm", "medusa"):
+        folders[fmt] = tmp_path_factory.mktemp(fmt) / "heads"
+        assert main(["convert", str(heads_dir), str(folders[fmt]), "--to", fmt, "--model", str(model_dir)]) == 0
+    return folders
+
+
+@pytest.mark.parametrize("fmt", ["medusa_spec", "vllm", "medusa"])
+@pytest.mark.parametrize("command, flag", [
+    (["generate", "w5", "--model", "{heads}"], "--model"),
+    (["generate", "w5", "--model", "{model}", "--draft-model", "{heads}"], "--draft-model"),
+    (["bench", "--model", "{model}", "--draft-model", "{heads}", "--methods", "draft_model"], "--draft-model"),
+    (["distill", "--model", "{heads}", "--prompts", "{prompts}", "--output", "{out}"], "--model"),
+], ids=["generate", "generate-draft", "bench-draft", "distill"])
+def test_a_heads_folder_given_as_a_model_is_named_as_heads(model_dir, heads_in_every_format, tmp_path, loaded, capsys,
+                                                          fmt, command, flag):
+    """Heads in any format given where a model goes: the error says they are heads and where they go, before any
+    model loads (a vLLM or original Medusa folder has a config.json, so it passed the model check)."""
+    heads = heads_in_every_format[fmt]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w9"}')
+    fill = dict(heads=heads, model=model_dir, prompts=prompts, out=tmp_path / "out")
+    assert main([word.format(**fill) for word in command]) == 2
+    assert f"{flag} {heads} holds Medusa heads ({fmt} format), not a model: heads go with --heads" in \
+        capsys.readouterr().err
+    assert loaded == []
+
+
+def test_a_model_folder_with_heads_saved_into_it_is_still_a_model(model_dir, tmp_path, capsys):
+    """Heads saved beside a model's own config.json leave the folder a model."""
+    import shutil
+
+    from medusa_spec import MedusaConfig, MedusaModel
+
+    folder = shutil.copytree(model_dir, tmp_path / "model")
+    MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2)).save_heads(folder)
+    assert main(["generate", "w5", "--model", str(folder), "--heads", str(folder), "--max-new-tokens", "2"]) == 0
+
+
 def test_a_draft_model_folder_needs_a_model_but_no_tokenizer(model_dir, heads_dir, tmp_path, loaded, capsys):
     """The draft shares the base's tokenizer: a draft saved without one loads, a heads folder is refused."""
     draft = tmp_path / "draft"
     tiny_model("llama", seed=1).save_pretrained(draft)
     common = ["generate", "w5 w9", "--model", str(model_dir), "--max-new-tokens", "2"]  # one draft step
     assert main([*common, "--draft-model", str(heads_dir)]) == 2
-    assert f"--draft-model {heads_dir} holds no model (config.json); give the folder holding the model," in \
-        capsys.readouterr().err
+    assert f"--draft-model {heads_dir} holds Medusa heads (medusa_spec format), not a model" in capsys.readouterr().err
     assert loaded == []
     assert main([*common, "--draft-model", str(draft)]) == 0
     assert "draft acceptance" in capsys.readouterr().err and loaded == [str(model_dir), str(draft)]
