@@ -32,7 +32,13 @@ def check_device(device: str) -> str:
         parsed = torch.device(device)
     except RuntimeError:
         raise ValueError(f"--device {device}: not a device torch knows; use cpu, cuda or cuda:N") from None
-    if parsed.type != "cuda":
+    if parsed.type == "cpu":
+        return device
+    if parsed.type != "cuda":  # mps, xpu...: taken where torch has one; meta and the like hold no data to run
+        backend = torch.backends.mps if parsed.type == "mps" else getattr(torch, parsed.type, None)
+        if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+            raise ValueError(f"--device {device}: this PyTorch build/machine has no {parsed.type} device to run a "
+                             f"model on; use --device cpu or cuda")
         return device
     if not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this PyTorch build/machine has no CUDA; use --device cpu, or leave "

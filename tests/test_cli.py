@@ -420,6 +420,8 @@ def test_a_draft_model_folder_needs_a_model_but_no_tokenizer(model_dir, heads_di
     ("gpu", 0, "not a device torch knows; use cpu, cuda or cuda:N"),
     ("cuda", 0, "this PyTorch build/machine has no CUDA; use --device cpu"),
     ("cuda:3", 1, "this machine has 1 CUDA device(s); use cuda:0 to cuda:0"),
+    ("meta", 0, "this PyTorch build/machine has no meta device to run a model on; use --device cpu or cuda"),
+    ("mps", 0, "this PyTorch build/machine has no mps device to run a model on; use --device cpu or cuda"),
 ])
 @pytest.mark.parametrize("command", ["generate", "distill"])
 def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch, loaded,
@@ -430,6 +432,7 @@ def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(model_dir, 
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w5 w9"}')
     arguments = {"generate": ["w5"], "distill": ["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]}
