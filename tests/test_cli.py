@@ -467,3 +467,15 @@ def test_a_recipe_that_is_not_json_names_the_file_and_the_fix(tmp_path, capsys):
     assert main(["train", "--config", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert f"{recipe} is not valid JSON" in err and "--config takes a recipe: a JSON object with one section" in err
+
+
+@pytest.mark.parametrize("section, kind", [('[["epochs", 1]]', "array"), ('"epochs=1"', "string"), ("3", "number"),
+                                           ("null", "null")])
+@pytest.mark.parametrize("command", ["train", "distill"])
+def test_a_recipe_section_that_is_not_an_object_names_the_file_and_the_section(tmp_path, capsys, section, kind,
+                                                                               command):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(f'{{"{command}": {section}}}')
+    assert main([command, "--config", str(recipe)]) == 2
+    assert f"{recipe}: the recipe's {command!r} section is a JSON {kind}, not an object; write it as" in \
+        capsys.readouterr().err

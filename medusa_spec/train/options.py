@@ -63,6 +63,10 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
     parser.add_argument("--config", metavar="RECIPE.json", help="recipe file; flags given here override it")
 
 
+def _json_kind(value) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
 def resolve(cls, args: argparse.Namespace, section: str):
     """An instance of `cls` from the recipe's `section`, then the flags given."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -70,7 +74,12 @@ def resolve(cls, args: argparse.Namespace, section: str):
     if getattr(args, "config", None):
         recipe = read_json_object(Path(args.config), fix="--config takes a recipe: a JSON object with one section "
                                   "per command, as in training/recipes/medusa1.json")
-        values = dict(recipe.get(section, {}))
+        values = recipe.get(section, {})
+        if not isinstance(values, dict):  # dict() would fail on it without naming the file or the section
+            raise ValueError(f"{args.config}: the recipe's {section!r} section is a JSON {_json_kind(values)}, not an "
+                             f"object; write it as {{\"setting\": value, ...}}, the settings named as the flags, with "
+                             f"_ for -")
+        values = dict(values)
         for old, new in _old_keys(cls).items():  # a recipe written before a rename reads as it did
             if old in values:
                 if new in values and values[new] != values[old]:
