@@ -342,6 +342,18 @@ def test_store_drops_the_open_copy_left_by_a_kill_after_sealing(tmp_path):
     assert [r["id"] for r in read_records(folder)] == ["p0", "p1", "p2", "p3"]
 
 
+@pytest.mark.parametrize("text", ['{"prompt": "w5"}\n{"prompt": "w9"}', '{"id": "p0", "messages": []}\nnotes'],
+                         ids=["prompts-file", "foreign-last-line"])
+def test_a_file_distill_did_not_write_is_refused_untouched(tmp_path, text):
+    """A prompts file given as --output, or one whose unfinished last line is not a record a kill cut short: refused
+    before anything in it is cut (it used to lose its last line, written without a final newline)."""
+    file = tmp_path / "prompts.jsonl"
+    file.write_text(text)
+    with pytest.raises(ValueError, match="not (a distill record|one distill writes).*write to a new --output"):
+        ConversationStore(file)
+    assert file.read_text() == text
+
+
 def test_a_single_file_output_stays_one_jsonl(tmp_path):
     file = tmp_path / "out.jsonl"
     ConversationStore(file, chunk_size=2).append([record(i) for i in range(5)])

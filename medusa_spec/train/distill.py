@@ -30,6 +30,7 @@ from .options import option, shared
 from .store import ConversationStore, complete_lines, is_folder
 
 SELF_PROMPTS = "self_prompts.jsonl"
+PROMPT_START = b'{"prompt": '  # how every line of SELF_PROMPTS begins
 _SENTINEL = "\x00medusa-spec-user-turn\x00"
 
 
@@ -138,9 +139,8 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
         raise ValueError("--self-prompts needs a folder --output (where self_prompts.jsonl is kept)")
     path = Path(cfg.output) / SELF_PROMPTS
     path.parent.mkdir(parents=True, exist_ok=True)
-    # As the file's writer: a last line a kill cut short is cut off (the next prompt starts a line). Not splitlines:
-    # see store.py.
-    lines = complete_lines(path, cut=True).decode("utf-8").split("\n") if path.is_file() else []
+    # Not splitlines: see store.py.
+    lines = complete_lines(path).decode("utf-8").split("\n") if path.is_file() else []
     written = []
     for number, line in enumerate(lines, start=1):
         try:
@@ -148,6 +148,8 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{path}:{number}: not a model-written prompt ({{\"prompt\": ...}}); it is distill's own "
                              f"file: move it away to write the prompts anew") from None
+    if path.is_file():  # as the file's writer: a last line a kill cut short is cut off (the next prompt starts a line)
+        complete_lines(path, cut=PROMPT_START)
     seen = {normal_text(t) for p in known for t in p.turns} | {normal_text(t) for t in written}
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     opening = _ids(tokenizer, user_turn_opening(tokenizer, system))
@@ -172,7 +174,7 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
                 if len(written) < cfg.self_prompts:
                     seen.add(normal_text(text))
                     written.append(text)
-                    out.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
+                    out.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")  # PROMPT_START
                     out.flush()  # whole lines on disk as they come: a kill loses at most the prompt being written
                     bar.update(1)
     bar.close()

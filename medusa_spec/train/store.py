@@ -22,13 +22,20 @@ def _parts(folder: Path) -> list[Path]:
     return sorted(folder.glob("part-*.jsonl.gz"))
 
 
-def complete_lines(file: Path, cut: bool = False) -> bytes:
-    """The file's bytes through its last newline. cut=True (its writer only) also cuts a final line left short by a
-    kill off the file on disk, so the next append starts a line; a reader must not, since the writer may be halfway
-    through writing that line."""
+RECORD_START = b'{"id": '  # how every line append writes begins
+
+
+def complete_lines(file: Path, cut: bytes = b"") -> bytes:
+    """The file's bytes through its last newline. `cut` (its writer only, once the complete lines are known to be
+    its own): how the writer's lines begin; a final line left short by a kill, which begins so, is cut off the file
+    on disk, so the next append starts a line, and any other is refused, untouched. A reader must not cut, since the
+    writer may be halfway through writing that line."""
     data = file.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     if cut and len(complete) != len(data):
+        tail = data[len(complete):]
+        if not (tail.startswith(cut) or cut.startswith(tail)):
+            raise ValueError(f"{file}: its last line is not one distill writes; write to a new --output")
         with open(file, "r+b") as f:
             f.truncate(len(complete))
     return complete
@@ -85,8 +92,11 @@ class ConversationStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path / OPEN if self.folder else self.path
         self._open_count = 0
-        if self._file.is_file():  # as its writer: a line a kill cut short goes, so the next append starts a line
-            self._open_count = len(_records(complete_lines(self._file, cut=True), self._file))
+        if self._file.is_file():
+            # Read first: a file distill did not write (a prompts file given as --output) is refused untouched. Then,
+            # as its writer, a line a kill cut short goes, so the next append starts a line.
+            self._open_count = len(_records(complete_lines(self._file), self._file))
+            complete_lines(self._file, cut=RECORD_START)
         self.done = {r["id"] for r in read_records(self.path)}
 
     def _seal_if_duplicate(self) -> None:
@@ -103,7 +113,7 @@ class ConversationStore:
             return
         with open(self._file, "a", encoding="utf-8") as out:
             for record in records:
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.write(json.dumps({"id": record["id"], **record}, ensure_ascii=False) + "\n")  # RECORD_START
             out.flush()
             os.fsync(out.fileno())  # a written answer survives even a machine crash
         self.done.update(r["id"] for r in records)
