@@ -18,7 +18,9 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer, vocab_siz
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one prompt token per row")
     # Before the first forward pass: an id past the embedding's rows is an IndexError deep inside torch.
-    check_token_ids(input_ids.tolist(), vocab_size, "input_ids", "the prompts")
+    # One reduction on the ids' device; the rows come to the host only to name the bad ones.
+    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
+        check_token_ids(input_ids.tolist(), vocab_size, "input_ids", "the prompts")
     max_new_tokens = _scalar(max_new_tokens)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         not_a_count = " (True/False is not a count)" if isinstance(max_new_tokens, bool) else ""
