@@ -17,6 +17,7 @@ from .formats import FORMATS, convert
 from .inputs import resolve_sampling
 from .model import MedusaModel
 from .train.cli import add_train_commands
+from .tree import default_tree, grow_tree
 
 
 def _sampling_kwargs(args) -> dict:
@@ -35,7 +36,7 @@ def demo(args) -> int:
                                       num_attention_heads=4, num_key_value_heads=2)
     base = transformers.AutoModelForCausalLM.from_config(config).eval()
     mm = MedusaModel.from_base(base, MedusaConfig(num_heads=3))
-    tree = _auto_tree(mm)[0] if args.tree == "auto" else args.tree
+    tree = _auto_tree(mm)[0] if args.tree == "auto" else sized_tree(mm, args.tree)
     ids = torch.randint(3, 512, (1, 16))
     start = time.perf_counter()
     plain = base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -67,7 +68,18 @@ def load(args):
         print("[no heads given: untrained heads, expect no speed-up]", file=sys.stderr)
     if args.tree == "auto":
         args.tree, args.tree_table = _auto_tree(mm)
+    args.tree = sized_tree(mm, args.tree)
     return mm, tokenizer
+
+
+def sized_tree(mm, tree):
+    """--tree N (an int): the rank paths of the N-node tree (root included) with the most expected tokens per step
+    for the heads' measured rank accuracies, as `medusa-spec tree --nodes N` stores it; for heads without them, the
+    built-in shape of that size. Any other --tree is returned as it is."""
+    if not isinstance(tree, int):
+        return tree
+    rank_accuracy = mm.config.metrics.get("eval", {}).get("rank_accuracy")
+    return grow_tree(rank_accuracy, tree) if rank_accuracy else default_tree(mm.config.num_heads, tree)
 
 
 def _heads_path(args):

@@ -107,16 +107,22 @@ def fast_dtype(device: str) -> str:
 
 
 def tree_arg(text: str):
-    """--tree: JSON rank paths, 'off' for no speculation (one token per step), or 'auto'."""
+    """--tree: JSON rank paths, 'off' for no speculation (one token per step), 'auto', or a node count N (an int: the
+    command grows the tree once the heads are loaded, see cli.sized_tree)."""
     if text == "off":
         return []
     if text == "auto":
         return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
     try:
-        return json.loads(text)
+        tree = json.loads(text)
     except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"--tree must be JSON rank paths such as '[[0],[1],[0,0]]' or 'off', "
-                                         f"got {text!r}")
+        tree = None
+    if not isinstance(tree, list):  # a bare JSON number or string is no tree either
+        raise argparse.ArgumentTypeError(f"--tree must be JSON rank paths such as '[[0],[1],[0,0]]', 'off', 'auto' "
+                                         f"or a node count such as 16, got {text!r}")
+    return tree
 
 
 def non_negative_int(text: str) -> int:
@@ -159,8 +165,10 @@ FLAGS = {
     # Decoding.
     "max_new_tokens": Flag("tokens generated per answer at most (an eos ends it sooner)", type=int, metavar="N"),
     "tree": Flag("the heads' candidate tree: JSON rank paths such as '[[0],[1],[0,0]]', 'off' (one token per step), "
-                 "or 'auto' (the tree with the most expected tokens per second on this machine for the heads' "
-                 "measured accuracies; the heads' own tree when they carry none)", type=tree_arg),
+                 "'auto' (the tree with the most expected tokens per second on this machine for the heads' "
+                 "measured accuracies; the heads' own tree when they carry none), or a node count N (root "
+                 "included: the tree of N nodes with the most expected tokens per step for those accuracies, as "
+                 "`medusa-spec tree --nodes N` stores; a built-in shape for heads without them)", type=tree_arg),
     "system_prompt": Flag("a system message put before every conversation", metavar="TEXT", unset="none"),
     # Sampling: each one not given resolves as in transformers' generate (inputs.resolve_sampling), so a model whose
     # generation_config samples samples here too.

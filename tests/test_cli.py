@@ -70,6 +70,45 @@ def test_bad_tree_is_a_clean_error(model_dir, capsys):
     assert "no parent [0]" in capsys.readouterr().err
 
 
+ACCURACY = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1], [0.4, 0.2, 0.2]]
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_tree_node_count_grows_that_tree(model_dir, tmp_path, monkeypatch, capsys, measured):
+    """--tree N: the N-node tree grown from the heads' rank accuracies (what `medusa-spec tree --nodes N` stores),
+    a built-in shape of N nodes for heads that carry none; generate decodes with it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from medusa_spec import MedusaConfig, MedusaModel
+    from medusa_spec.tree import default_tree, grow_tree
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    metrics = {"eval": {"rank_accuracy": ACCURACY}} if measured else {}
+    MedusaModel.from_base(base, MedusaConfig(num_heads=3, metrics=metrics)).save_heads(tmp_path / "heads")
+    trees, generate = [], MedusaModel.generate
+
+    def recording_generate(self, input_ids, **kwargs):
+        trees.append(kwargs.get("tree"))
+        return generate(self, input_ids, **kwargs)
+
+    monkeypatch.setattr(MedusaModel, "generate", recording_generate)
+    torch.manual_seed(0)
+    assert main(["generate", "w5 w9 w11", "--model", str(model_dir), "--heads", str(tmp_path / "heads"),
+                 "--max-new-tokens", "6", "--tree", "7", "--lookup", "0"]) == 0
+    expected = grow_tree(ACCURACY, 7) if measured else default_tree(3, 7)
+    assert trees == [expected] and len(expected) == 6  # 7 nodes: the root and 6 paths
+    assert expected != default_tree(3, 7) or not measured  # the accuracies chose another shape than the prior
+
+
+@pytest.mark.parametrize("tree", ["0", "7.5", "8x", '"8"', "{}"])
+def test_tree_that_is_no_tree_nor_count_is_refused(model_dir, capsys, tree):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "w5", "--model", str(model_dir), "--tree", tree])
+    assert exit_info.value.code == 2
+    assert "or a node count such as 16" in capsys.readouterr().err
+
+
 def test_bench_refuses_lookup_methods_without_a_chain(model_dir, capsys):
     assert main(["bench", "--model", str(model_dir), "--lookup", "0"]) == 2
     assert "--lookup 0 leaves the lookup and medusa_lookup methods no chain" in capsys.readouterr().err
