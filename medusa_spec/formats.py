@@ -83,14 +83,15 @@ def read_heads(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple
     fmt = detect_format(path)
     if fmt == "vllm":
         return read_vllm(path, base_lm_head)
-    return io.load_adapter(path) if fmt == "medusa_spec" else read_medusa(path)
+    return io.load_adapter(path) if fmt == "medusa_spec" else read_medusa(path, base_lm_head)
 
 
-def read_medusa(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+def read_medusa(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read the original Medusa layout: config.json (medusa_num_heads, medusa_num_layers,
     base_model_name_or_path) and medusa_lm_head.safetensors or .pt with keys `{h}.{l}.linear.weight|bias` and
     `{h}.{L}.weight`, head h's own vocabulary projection. "Version 2" checkpoints have no projections: their
-    heads share the base model's LM head."""
+    heads share the base model's LM head. Projections that are all copies of `base_lm_head` (as write_medusa
+    writes shared heads) are read as heads sharing it: the same logits, without a copy per head."""
     path = Path(path)
     meta = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
     weights_file = next((path / name for name in MEDUSA_WEIGHTS if (path / name).is_file()), None)
@@ -99,6 +100,11 @@ def read_medusa(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]
                                 f"put the heads' weights file beside it")
     tensors = _read_weights(weights_file)
     num_layers = 1 + max((int(m[2]) for key in tensors if (m := _MEDUSA_LAYER_KEY.fullmatch(key))), default=-1)
+    projections = [key for key in tensors
+                   if (m := _MEDUSA_PROJECTION_KEY.fullmatch(key)) and int(m[2]) == num_layers]
+    if (projections and base_lm_head is not None and (base_lm_head.bias is None or not bool(base_lm_head.bias.any()))
+            and all(_same_weight(tensors[key], base_lm_head.weight.detach()) for key in projections)):
+        tensors = {key: value for key, value in tensors.items() if key not in projections}
     return _heads_from_weights(
         {_from_medusa_key(key, num_layers): value for key, value in tensors.items()}, weights_file,
         stated={"heads": meta.get("medusa_num_heads"), "layers": meta.get("medusa_num_layers")},
@@ -111,7 +117,8 @@ def read_vllm(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[
     `blocks.{h}.layers.{l}.weight|bias` and `lm_heads.{h}.weight`, or with original_lm_head a single
     `lm_head.weight`, a copy of the base model's LM head: medusa_spec uses `base_lm_head` itself, after checking
     that the copy equals it. With a `token_map`, vLLM keeps only the map's rows of a projection or LM head
-    that holds the full vocabulary, and so does this reader."""
+    that holds the full vocabulary, and so does this reader; vLLM ignores the map unless truncated_vocab_size is
+    below vocab_size, so a map it would ignore is refused (unless it is the identity, which changes nothing)."""
     path = Path(path)
     meta = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
     files = sorted(path.glob("*.safetensors"))
@@ -130,6 +137,20 @@ def read_vllm(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[
     if token_map is not None:
         io.check_token_map(token_map, meta["vocab_size"], source)  # before it indexes rows below
         token_map = token_map.long()
+        truncated = meta.get("truncated_vocab_size") or meta["vocab_size"]
+        if not isinstance(truncated, int):
+            raise ValueError(f"{path / HF_CONFIG}: truncated_vocab_size must be the token map's length (an "
+                             f"integer), got {truncated!r}")
+        if truncated >= meta["vocab_size"]:  # vLLM then ignores the map (Medusa.load_weights)
+            if not torch.equal(token_map, torch.arange(token_map.numel())):
+                raise ValueError(
+                    f"{source} has a token_map of {token_map.numel()} token ids but truncated_vocab_size {truncated} "
+                    f"is not below vocab_size {meta['vocab_size']}, so vLLM ignores the map and reads the rows in "
+                    f"token-id order: it would draft other tokens than the map says. Set truncated_vocab_size in "
+                    f"{HF_CONFIG} to the map's length if the rows follow the map, or export the heads again "
+                    f"(medusa-spec convert SRC DST --to vllm writes a map over the whole vocabulary as token-id order)")
+            del tensors["token_map"]
+            token_map = None
     if meta.get("original_lm_head"):
         for key in ("lm_head.weight", "lm_heads.0.weight"):  # vLLM also takes the shared LM head under the second
             if key in tensors:
@@ -157,13 +178,20 @@ def _check_lm_head_copy(copy: torch.Tensor, key: str, base_lm_head: nn.Module | 
     if copy.shape != expected.shape:
         raise ValueError(f"{source}: {key} has shape {tuple(copy.shape)} but the base model's LM head (its token-map "
                          f"rows, with a token_map) has {tuple(expected.shape)}; these heads belong to another model")
-    # A copy saved in another precision is the same LM head when both agree at the coarser of the two.
-    coarser = max(copy.dtype, expected.dtype, key=lambda dtype: torch.finfo(dtype).eps)
-    if not torch.equal(copy.to(expected.device, coarser), expected.to(coarser)):
+    if not _same_weight(copy, expected):
         raise ValueError(f"{source}: {key}, the LM head vLLM drafts with (original_lm_head), differs from this base "
                          f"model's LM head, so these heads would draft other tokens here than in vLLM; load them onto "
                          f"the base model they were trained with, or, to keep that LM head, store it as every head's "
                          f"own lm_heads.{{h}}.weight with original_lm_head false")
+
+
+def _same_weight(copy: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether `copy` is `expected`; a copy saved in another precision is the same when both agree at the coarser of
+    the two."""
+    if copy.shape != expected.shape:
+        return False
+    coarser = max(copy.dtype, expected.dtype, key=lambda dtype: torch.finfo(dtype).eps)
+    return torch.equal(copy.to(expected.device, coarser), expected.to(coarser))
 
 
 def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, base_model_name_or_path,
@@ -247,12 +275,16 @@ def _to_medusa_key(key: str, num_layers: int) -> str:
     return key
 
 
-def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, torch.Tensor]) -> None:
+def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, torch.Tensor],
+                 base_lm_head: nn.Module | None = None) -> None:
     """Write the original Medusa layout (config.json + medusa_lm_head.safetensors), atomically.
 
-    Heads sharing the base LM head are written as "version 2" (no projections), which TGI reads; TensorRT-LLM's
-    converter expects projections. With several layers per head, the original repo's own loader ties a head's
-    layers into one module ([ResBlock] * L), so only TensorRT-LLM and TGI, which read each layer, run them as is.
+    Each head is `{h}.{l}.linear.weight|bias` for its layers, then its projection `{h}.{L}.weight`, which
+    TensorRT-LLM's converter and the original repo read for every head. Heads that share the base LM head get a copy
+    of `base_lm_head`'s weight as every head's projection (the same logits); without it they are written as
+    "version 2" (no projections), which only TGI reads (one layer per head), and a warning says so. With several
+    layers per head, the original repo's own loader ties a head's layers into one module ([ResBlock] * L), so only
+    TensorRT-LLM and TGI, which read each layer, run them as is.
     """
     # No "architectures" key: TGI takes a speculator config that has one for another kind of speculator.
     _refuse_unsupported(config, path, "the original Medusa format", token_map_ok=False)
@@ -260,10 +292,34 @@ def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, t
             "base_model_name_or_path": config.base_model_name_or_path}
     tensors = {_to_medusa_key(key, config.num_layers): value.detach().contiguous().cpu()
                for key, value in state_dict.items()}
+    if config.share_lm_head and base_lm_head is None:
+        warnings.warn(f"{path}: these heads share the base model's LM head, so they are written without projections "
+                      f"(\"version 2\"), which TGI reads but TensorRT-LLM's converter and the original Medusa repo do "
+                      f"not; pass base_model= (medusa-spec convert --model DIR) to write a copy of its LM head as every "
+                      f"head's projection", stacklevel=2)
+    elif config.share_lm_head:
+        weight = _base_lm_head_weight(base_lm_head, config, path, "the original Medusa format's projections ({h}."
+                                      f"{config.num_layers}.weight, no bias)")
+        # One copy per head: safetensors refuses tensors that share storage.
+        tensors.update({f"{h}.{config.num_layers}.weight": weight.clone() for h in range(config.num_heads)})
     # The .pt name is listed so a stale one is removed: TensorRT-LLM reads medusa_lm_head.pt first.
     with io.staged_save(path, (*MEDUSA_WEIGHTS, HF_CONFIG)) as staged:
         save_file(tensors, str(staged / MEDUSA_WEIGHTS[0]), metadata={"format": "pt"})
         _write_json(staged / HF_CONFIG, meta)
+
+
+def _base_lm_head_weight(base_lm_head: nn.Module, config: MedusaConfig, path, holder: str) -> torch.Tensor:
+    """The base LM head's weight [V, H] on the CPU, for a format that stores the LM head shared heads use; a bias
+    (which `holder` cannot hold) and another hidden size are refused."""
+    if base_lm_head.bias is not None and bool(base_lm_head.bias.any()):
+        raise ValueError(f"{path}: the base model's LM head has a bias, which {holder} cannot hold, so an engine "
+                         f"would draft other tokens than these heads; keep them in medusa_spec's format "
+                         f"(--to medusa_spec)")
+    weight = base_lm_head.weight
+    if config.hidden_size is not None and weight.shape[1] != config.hidden_size:
+        raise ValueError(f"{path}: the base LM head has hidden size {weight.shape[1]} but the heads have "
+                         f"{config.hidden_size}; pass the base model the heads were trained for")
+    return weight.detach().contiguous().cpu()
 
 
 def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, torch.Tensor],
@@ -277,24 +333,24 @@ def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, tor
     """
     _refuse_unsupported(config, path, "vLLM's Medusa format", token_map_ok=True)
     tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
+    full_vocab_size = config.vocab_size or (base_lm_head.weight.shape[0] if base_lm_head is not None else None)
+    if "token_map" in tensors and tensors["token_map"].numel() == full_vocab_size:
+        # A map over every token only orders the rows, and vLLM ignores a token_map unless truncated_vocab_size is
+        # below vocab_size: write the rows in token-id order, without the map.
+        token_map = tensors.pop("token_map")
+        for key in [key for key in tensors if _PROJECTION_KEY.fullmatch(key)]:
+            rows = torch.empty_like(tensors[key])
+            rows[token_map] = tensors[key]
+            tensors[key] = rows
     if config.share_lm_head:
         if base_lm_head is None:
             raise ValueError(f"{path}: vLLM's format stores the LM head these heads share (lm_head.weight); pass "
                              f"base_model= (medusa-spec convert --model DIR) to copy it from the base model")
-        if base_lm_head.bias is not None and bool(base_lm_head.bias.any()):
-            raise ValueError(f"{path}: the base model's LM head has a bias, which vLLM's Medusa LM head "
-                             f"(lm_head.weight only) cannot hold, so vLLM would draft other tokens than these heads; "
-                             f"keep them in medusa_spec's format (--to medusa_spec)")
-        base_lm_head = base_lm_head.weight
-        if config.hidden_size is not None and base_lm_head.shape[1] != config.hidden_size:
-            raise ValueError(f"{path}: the base LM head has hidden size {base_lm_head.shape[1]} but the heads have "
-                             f"{config.hidden_size}; pass the base model the heads were trained for")
+        weight = _base_lm_head_weight(base_lm_head, config, path, "vLLM's Medusa LM head (lm_head.weight only)")
         # With a token map vLLM's LM head holds only the draft vocabulary's rows.
-        rows = (base_lm_head if "token_map" not in tensors
-                else base_lm_head[tensors["token_map"].to(base_lm_head.device)])
-        tensors["lm_head.weight"] = rows.detach().contiguous().cpu()
+        tensors["lm_head.weight"] = weight if "token_map" not in tensors else weight[tensors["token_map"]].contiguous()
     projection_rows = tensors["lm_head.weight" if config.share_lm_head else "lm_heads.0.weight"].shape[0]
-    vocab_size = config.vocab_size or (base_lm_head.shape[0] if base_lm_head is not None else projection_rows)
+    vocab_size = full_vocab_size or projection_rows
     meta = {"model_type": "medusa", "architectures": ["MedusaModel"],
             "hidden_size": config.hidden_size, "vocab_size": vocab_size,
             "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
@@ -367,7 +423,7 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
     if to == "medusa_spec":
         io.save_adapter(dst_dir, config, state_dict)
     elif to == "medusa":
-        write_medusa(dst_dir, config, state_dict)
+        write_medusa(dst_dir, config, state_dict, base_lm_head)
     else:
         write_vllm(dst_dir, config, state_dict, base_lm_head)
 

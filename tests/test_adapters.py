@@ -401,7 +401,13 @@ def test_original_medusa_import_counts_heads_from_weights(tmp_path, suffix, proj
 def test_original_medusa_export_round_trip_is_bit_exact(tmp_path, projection):
     original = write_original(tmp_path / "src", original_medusa_heads(3, 2, projection), ".safetensors", 3)
     convert(tmp_path / "src", tmp_path / "own", to="medusa_spec")
-    convert(tmp_path / "own", tmp_path / "back", to="medusa")
+    if projection:
+        convert(tmp_path / "own", tmp_path / "back", to="medusa")
+    else:  # "version 2" as it came, since no base model is given to copy the LM head from
+        with pytest.warns(UserWarning, match=r'written without projections \("version 2"\), which TGI reads but '
+                                             r"TensorRT-LLM's converter and the original Medusa repo do not; pass "
+                                             r"base_model="):
+            convert(tmp_path / "own", tmp_path / "back", to="medusa")
 
     assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
     meta = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -410,6 +416,37 @@ def test_original_medusa_export_round_trip_is_bit_exact(tmp_path, projection):
     assert written.keys() == original.keys()
     for key in original:
         assert torch.equal(written[key], original[key]), key
+
+
+def original_medusa_logits(tensors, x, num_heads, num_layers):
+    """Logits [.., heads, V] as TensorRT-LLM and the original repo compute them from the layout's tensors: a head's
+    layers x <- x + SiLU(W x + b), then its projection {h}.{L}.weight."""
+    out = []
+    for h in range(num_heads):
+        y = x
+        for layer in range(num_layers):
+            y = y + nn.functional.silu(y @ tensors[f"{h}.{layer}.linear.weight"].T + tensors[f"{h}.{layer}.linear.bias"])
+        out.append(y @ tensors[f"{h}.{num_layers}.weight"].T)
+    return torch.stack(out, dim=-2)
+
+
+def test_original_medusa_export_gives_shared_heads_the_lm_head_as_projections(tmp_path):
+    base = tiny_base()
+    model = random_medusa(base, num_heads=3, num_layers=2, share_lm_head=True)
+    model.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "medusa", to="medusa", base_model=base)
+
+    written = load_file(tmp_path / "medusa" / "medusa_lm_head.safetensors")
+    for h in range(3):  # TensorRT-LLM's converter reads {h}.{L}.weight for every head
+        assert torch.equal(written[f"{h}.2.weight"], base.lm_head.weight)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(original_medusa_logits(written, x, 3, 2), model.heads(x, base.lm_head))
+    loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path / "medusa")  # copies of its LM head: shared again
+    assert loaded.config.share_lm_head
+    assert_same_heads(loaded, model)
+    other = tiny_base(seed=5)  # another model's LM head: the copies are the heads' own projections
+    assert not MedusaModel.from_pretrained(other, tmp_path / "medusa").config.share_lm_head
 
 
 def test_original_medusa_errors(tmp_path):
@@ -547,6 +584,60 @@ def test_vllm_import_takes_the_token_map_rows_of_full_vocabulary_heads(tmp_path,
     loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path / "vllm")
     assert loaded.config.draft_vocab_size == 8
     assert_same_heads(loaded, model)
+
+
+def vllm_draft_tokens(folder, x):
+    """The heads' top token ids as vLLM's Medusa computes them from `folder`: blocks, then lm_heads.{h} (or the one
+    lm_head with original_lm_head), with the token_map applied only where truncated_vocab_size < vocab_size."""
+    meta = json.loads((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    truncated = meta.get("truncated_vocab_size") or meta["vocab_size"]
+    token_map = tensors.get("token_map") if truncated < meta["vocab_size"] else None
+    tokens = []
+    for h in range(meta["num_heads"]):
+        y = x
+        for layer in range(meta["num_hidden_layers"]):
+            y = y + nn.functional.silu(y @ tensors[f"blocks.{h}.layers.{layer}.weight"].T
+                                       + tensors[f"blocks.{h}.layers.{layer}.bias"])
+        top = (y @ tensors["lm_head.weight" if meta["original_lm_head"] else f"lm_heads.{h}.weight"].T).argmax(-1)
+        tokens.append(top if token_map is None else token_map[top])
+    return torch.stack(tokens, dim=-1)
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_vllm_export_of_a_token_map_over_the_whole_vocabulary(tmp_path, share_lm_head):
+    base = tiny_base()
+    model = random_medusa(base, num_heads=2, share_lm_head=share_lm_head, draft_vocab_size=64)
+    model.heads.set_token_map(torch.randperm(64, generator=torch.Generator().manual_seed(0)), base.lm_head)
+    model.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=base)
+
+    meta = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert "truncated_vocab_size" not in meta and "token_map" not in load_file(tmp_path / "vllm" / "model.safetensors")
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        expected = model.heads.token_map[model.heads(x, base.lm_head).argmax(-1)]
+        assert torch.equal(vllm_draft_tokens(tmp_path / "vllm", x), expected)  # vLLM drafts what these heads draft
+        loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path / "vllm")
+        assert loaded.config.draft_vocab_size is None
+        assert torch.equal(loaded.heads(x, base.lm_head).argmax(-1), expected)
+
+
+def test_vllm_import_refuses_a_token_map_vllm_would_ignore(tmp_path):
+    base = tiny_base()
+    model = random_medusa(base, num_heads=2, share_lm_head=False, draft_vocab_size=8)
+    model.heads.set_token_map(torch.arange(20, 28), base.lm_head)
+    model.save_heads(tmp_path / "own")
+    convert(tmp_path / "own", tmp_path / "vllm", to="vllm", base_model=base)
+    assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / "vllm"), model)
+
+    meta = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    del meta["truncated_vocab_size"]  # vLLM then takes it as vocab_size, and ignores the map
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"model.safetensors has a token_map of 8 token ids but truncated_vocab_size "
+                                         r"64 is not below vocab_size 64, so vLLM ignores the map .*Set "
+                                         r"truncated_vocab_size in config.json to the map's length"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path / "vllm")
 
 
 def test_vllm_export_refuses_a_base_lm_head_bias(tmp_path):
