@@ -93,11 +93,13 @@ def markdown(points: list[dict], nodes: int) -> str:
 
 def plot(points: list[dict], path: Path, nodes: int) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    all_tokens = [p["answer_tokens"] / 1e6 for p in points]
     # Scored adapters are one curve (each run continued the last); a log's evaluations are one curve per run.
     def curve(point: dict) -> str:
         return "adapters, one held-out set" if point["step"] == "-" else point["run"]
@@ -110,6 +112,10 @@ def plot(points: list[dict], path: Path, nodes: int) -> None:
             right.plot(tokens, [p["top1"][k] for p in mine], marker="o", label=f"{run} head {k} (+{k + 2})")
     left.set(xlabel="answer tokens seen (M)", ylabel=f"expected tokens/step ({nodes} nodes)", xscale="log")
     right.set(xlabel="answer tokens seen (M)", ylabel="held-out top-1", xscale="log")
+    for axis in (left, right):  # plain numbers: log-scale minor ticks as 3x10^0 overlap their neighbours
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axis.set_xticks([t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if min(all_tokens) / 1.5 <= t <= max(all_tokens) * 1.5])
     left.legend(fontsize=8)
     right.legend(fontsize=7)
     figure.tight_layout()
