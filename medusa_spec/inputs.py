@@ -68,11 +68,22 @@ TRANSFORMERS_SAMPLING_DEFAULTS = (("do_sample", False), ("temperature", 1.0), ("
 # medusa_spec draws only through temperature, top-k and top-p.
 UNSUPPORTED_WARPERS = (("min_p", None), ("top_h", None), ("typical_p", 1.0), ("epsilon_cutoff", 0.0),
                        ("eta_cutoff", 0.0))
+# generation_config settings from which transformers' generate builds a logits processor or stopping criterion,
+# greedy or sampling (GenerationMixin._get_logits_processor, _get_stopping_criteria), with the value at which each
+# does nothing; medusa_spec applies none of them. (renormalize_logits is left out: a log-softmax changes no argmax
+# and no distribution.)
+UNSUPPORTED_PROCESSORS = (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0), ("bad_words_ids", None),
+                          ("sequence_bias", None), ("min_length", 0), ("min_new_tokens", 0),
+                          ("suppress_tokens", None), ("begin_suppress_tokens", None), ("forced_bos_token_id", None),
+                          ("forced_eos_token_id", None), ("exponential_decay_length_penalty", None),
+                          ("remove_invalid_values", False), ("guidance_scale", 1), ("watermarking_config", None),
+                          ("stop_strings", None), ("max_time", None))
 
 
 def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, top_k=None, top_p=None) -> Sampling:
     """The distribution `base_model.generate` would sample with the same arguments: each one given here,
-    else the model's generation_config, else transformers' default (top_k=50); top_k=0 / top_p=1 disable."""
+    else the model's generation_config, else transformers' default (top_k=50); top_k=0 / top_p=1 disable.
+    A generation_config that also sets a processor medusa_spec does not apply (repetition_penalty, ...) is refused."""
     gen_config = getattr(base_model, "generation_config", None)
     given = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     resolved = {}
@@ -83,14 +94,14 @@ def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, to
         resolved[name] = _scalar(default if value is None else value)
     if not isinstance(resolved["do_sample"], bool):  # a truthy "false" would sample
         raise ValueError(f"do_sample must be True or False, got {resolved['do_sample']!r}")
-    if resolved["do_sample"]:
-        for name, neutral in UNSUPPORTED_WARPERS:
-            value = getattr(gen_config, name, None)
-            if value is not None and value != neutral:
-                raise ValueError(f"the base model's generation_config sets {name}={value!r}, which transformers "
-                                 f"applies when sampling and medusa_spec does not (it samples with temperature, "
-                                 f"top_k and top_p only); set base_model.generation_config.{name} = {neutral!r} to "
-                                 f"sample without it")
+    for name, neutral in UNSUPPORTED_PROCESSORS + (UNSUPPORTED_WARPERS if resolved["do_sample"] else ()):
+        value = getattr(gen_config, name, None)
+        if value is not None and value != neutral:
+            when = "when sampling " if name in dict(UNSUPPORTED_WARPERS) else ""
+            raise ValueError(f"the base model's generation_config sets {name}={value!r}, which transformers' generate "
+                             f"applies {when}and medusa_spec does not (it decodes with temperature, top_k and top_p "
+                             f"only), so the output would not be the model's; set base_model.generation_config.{name} "
+                             f"= {neutral!r} to decode without it")
     return Sampling(resolved["do_sample"], resolved["temperature"], resolved["top_k"], resolved["top_p"])
 
 

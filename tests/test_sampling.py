@@ -2,6 +2,7 @@
 base model's processed distribution (temperature, top-k, top-p). The same chi-square test is
 shown to reject a plausible wrong rule, so it has the power to catch one."""
 
+import functools
 import itertools
 
 import pytest
@@ -14,7 +15,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import medusa_spec.accept
 from medusa_spec import MedusaConfig, MedusaModel, Sampling
 from medusa_spec.accept import draw_targets, processed_probs
-from medusa_spec.generate import TRANSFORMERS_SAMPLING_DEFAULTS, resolve_sampling
+from medusa_spec.generate import TRANSFORMERS_SAMPLING_DEFAULTS, generate_with_lookup, resolve_sampling
+from medusa_spec.inputs import UNSUPPORTED_PROCESSORS, UNSUPPORTED_WARPERS
 from tiny_models import tiny_model
 
 VOCAB, ROWS, NEW = 6, 6000, 3
@@ -254,6 +256,35 @@ def test_sampling_from_the_generation_config_is_exact():
     out = mm.generate(prompt.expand(ROWS, -1), max_new_tokens=NEW, eos_token_id=[], tree=TREE)
     new = out.sequences[:, prompt.shape[1]:]
     assert chi_square_p_value(triple_counts(new), exact_joint(model, prompt, Sampling(True, 0.7, top_k=2))) > 1e-3
+
+
+@pytest.mark.parametrize("name, value", [("repetition_penalty", 1.5), ("no_repeat_ngram_size", 2),
+                                         ("min_new_tokens", 3), ("suppress_tokens", [4]), ("bad_words_ids", [[4]]),
+                                         ("stop_strings", ["x"])])
+def test_a_processor_medusa_spec_does_not_apply_is_refused_greedy_too(name, value):
+    """transformers' generate applies these from the generation_config, greedy or not (a Qwen2.5-Instruct ships
+    repetition_penalty=1.05): decoding without them would not give the model's output."""
+    model = tiny_model("llama", vocab_size=128)
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    prompt = torch.tensor([[3, 5, 3, 5, 3]])
+    if name == "repetition_penalty":  # it does change what transformers' greedy decoding gives here
+        with torch.no_grad():
+            plain = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+            model.generation_config.repetition_penalty = value
+            assert not torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None), plain)
+    setattr(model.generation_config, name, value)
+    for generate in (functools.partial(mm.generate, tree=TREE), functools.partial(generate_with_lookup, model)):
+        with pytest.raises(ValueError, match=rf"generation_config sets {name}=.*medusa_spec does not .*"
+                                             rf"base_model.generation_config.{name} = "):
+            generate(prompt, max_new_tokens=2)
+    setattr(model.generation_config, name, dict(UNSUPPORTED_PROCESSORS)[name])  # the fix the message names
+    assert mm.generate(prompt, max_new_tokens=2, tree=TREE).sequences.shape == (1, 7)
+
+
+def test_unsupported_settings_are_off_in_a_default_generation_config():
+    defaults = GenerationConfig()
+    for name, neutral in UNSUPPORTED_PROCESSORS + UNSUPPORTED_WARPERS:
+        assert getattr(defaults, name) in (None, neutral), name
 
 
 def test_a_sampling_warper_medusa_spec_does_not_apply_is_refused():
