@@ -156,7 +156,7 @@ AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
 
 
 # nn.Module's own containers (parameters, buffers, children, hooks): a copy owns these.
-_MODULE_CONTAINERS = frozenset(name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
+MODULE_CONTAINERS = frozenset(name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
 
 
 class ColumnwiseLinear(nn.Linear):
@@ -203,7 +203,7 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
         # modules, timed beside another job).
         clone = copies[id(original)] = object.__new__(type(original))
         vars(clone).update(vars(original))
-        for name in _MODULE_CONTAINERS & vars(original).keys():
+        for name in MODULE_CONTAINERS & vars(original).keys():
             vars(clone)[name] = type(vars(original)[name])(vars(original)[name])
         vars(clone)["_modules"] = {name: None if child is None else copy_tree(child)
                                    for name, child in original._modules.items()}

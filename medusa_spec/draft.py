@@ -19,7 +19,7 @@ from torch import nn
 
 from .accept import Sampling, processed_probs
 from .base import inspect_base_model, model_device_dtype
-from .columnwise import columnwise_copy
+from .columnwise import MODULE_CONTAINERS, columnwise_copy
 from .inputs import resolve_sampling, special_tokens
 from .kv_cache import new_cache
 from .loop import StepTimer, decode
@@ -80,16 +80,24 @@ def self_draft(base_model: nn.Module, num_layers: int) -> nn.Module:
     draft_config.num_hidden_layers = num_layers
     if getattr(draft_config, "layer_types", None) is not None:
         draft_config.layer_types = list(draft_config.layer_types[:num_layers])
-    # copy.copy shares the module's child dict; give each copy its own before replacing children.
-    draft_decoder = copy.copy(decoder)
-    draft_decoder._modules = dict(decoder._modules)
+    draft_decoder = _own_containers(decoder)
     draft_decoder.layers = nn.ModuleList(list(layers)[:num_layers])
     draft_decoder.config = draft_config
-    draft = copy.copy(base_model)
-    draft._modules = dict(base_model._modules)
+    draft = _own_containers(base_model)
     draft.model = draft_decoder
     draft.config = draft_config
+    if getattr(base_model, "generation_config", None) is not None:
+        draft.generation_config = copy.deepcopy(base_model.generation_config)
     return draft
+
+
+def _own_containers(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` with its own nn.Module containers (children, parameters, buffers, hooks): copy.copy
+    alone shares them, so a child replaced or a hook registered on the copy would reach `module`."""
+    clone = copy.copy(module)
+    for name in MODULE_CONTAINERS & vars(module).keys():
+        vars(clone)[name] = type(vars(module)[name])(vars(module)[name])
+    return clone
 
 
 class StageClock:

@@ -77,6 +77,15 @@ def test_self_draft_is_the_truncated_model_and_leaves_the_base_alone(arch):
         torch.testing.assert_close(model(ids).logits, before)
     out = generate_with_draft(model, draft, ids, max_new_tokens=20, eos_token_id=[])
     assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=20, eos_token_id=None))
+    # What is done to the draft's own structure, hooks or generation settings stays on the draft.
+    for module in (draft, draft.model):
+        module.register_forward_pre_hook(lambda *args: pytest.fail("a hook on the draft ran on the base model"))
+        module.register_buffer("scratch", torch.zeros(1))
+    draft.generation_config.max_new_tokens = 3
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before)
+    assert "scratch" not in model._buffers and "scratch" not in model.model._buffers
+    assert model.generation_config.max_new_tokens != 3
 
 
 def test_draft_batch_of_mixed_lengths_with_eos_equals_per_row_generation():
