@@ -35,6 +35,7 @@ except ImportError:  # Windows: no flock, so a load there may clear the staging 
 WEIGHTS_NAME = "medusa_heads.safetensors"
 # Medusa-2: the LoRA adapter trained into the base model, in peft's own save_pretrained layout.
 LORA_DIR = "lora"
+LORA_ADAPTER = "medusa2"  # the peft adapter name a Medusa-2 LoRA is loaded under
 # Folders a save keeps inside the adapter folder while it runs: being written, committed, being deleted.
 STAGING, COMMITTED, DONE = ".medusa-saving-", ".medusa-commit-", ".medusa-done-"
 # Inside a commit folder: the names the save manages and the ones it wrote; and where replaced folders go.
@@ -291,10 +292,17 @@ def load_lora(base_model: nn.Module, path: str | Path) -> nn.Module:
         read_safetensors(weights)  # a clear error for a damaged file, before peft changes base_model
     from peft import PeftModel  # imported here: peft is slow to import and only Medusa-2 adapters need it
 
+    foreign = _adapter_names(base_model) - {LORA_ADAPTER}
+    if foreign:
+        raise ValueError(f"base_model already holds the peft adapter(s) {', '.join(sorted(foreign))}, which "
+                         f"medusa_spec did not load: a Medusa-2 LoRA replaces only one an earlier load applied. "
+                         f"Merge yours into the weights first (peft_model.merge_and_unload()), or load the heads "
+                         f"onto a base model without it")
     before = _module_state(base_model)
     try:
         _remove_lora(base_model)
-        PeftModel.from_pretrained(base_model, str(lora_dir))  # injects its layers into base_model itself
+        # Under its own adapter name, which tells a later load that this LoRA is one it may replace.
+        PeftModel.from_pretrained(base_model, str(lora_dir), adapter_name=LORA_ADAPTER)  # into base_model itself
     except BaseException as err:
         _restore_module_state(before)
         if isinstance(err, Exception):
@@ -321,6 +329,14 @@ def _restore_module_state(state: tuple[list, list]) -> None:
         module._modules.update(children)
     for param, requires_grad in params:
         param.requires_grad_(requires_grad)
+
+
+def _adapter_names(model: nn.Module) -> set[str]:
+    """The names of the peft adapters whose layers `model` holds."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {name for module in model.modules() if isinstance(module, BaseTunerLayer)
+            for layers in module.adapter_layer_names for name in getattr(module, layers, {})}
 
 
 def _remove_lora(module: nn.Module) -> None:

@@ -84,8 +84,9 @@ class MedusaModel(nn.Module):
         """Load heads onto `base_model` from `path`, saved by `save_heads` or in the original Medusa or vLLM
         format (detected from the files); sizes are checked against the base model.
 
-        A Medusa-2 LoRA adapter saved beside the heads (lora/) is applied to `base_model` in place, through peft,
-        replacing one an earlier load applied. Everything else is checked first and a LoRA that fails to load is
+        A Medusa-2 LoRA adapter saved beside the heads (lora/) is applied to `base_model` in place, through peft
+        (adapter name "medusa2"), replacing one an earlier load applied; another peft adapter in `base_model` is
+        refused, not removed. Everything else is checked first and a LoRA that fails to load is
         undone, so a load that fails leaves `base_model` as it was.
         """
         spec = inspect_base_model(base_model)

@@ -742,7 +742,9 @@ def test_medusa2_lora_round_trip(tmp_path, monkeypatch):
 
     loaded = MedusaModel.from_pretrained(tiny_base(), tmp_path)
     lora_state = {k: v for k, v in model.base_model.state_dict().items() if "lora_" in k}
-    loaded_state = {k: v for k, v in loaded.base_model.state_dict().items() if "lora_" in k}
+    # Loaded under its own adapter name (medusa2), which a later load may replace.
+    loaded_state = {k.replace(".medusa2.", ".default."): v for k, v in loaded.base_model.state_dict().items()
+                    if "lora_" in k}
     assert lora_state and lora_state.keys() == loaded_state.keys()
     assert all(torch.equal(lora_state[k], loaded_state[k]) for k in lora_state)
     assert_same_heads(loaded, model)
@@ -889,6 +891,20 @@ def test_failed_load_leaves_the_base_model_as_it_was(tmp_path, preloaded, break_
     with pytest.raises(Exception, match=error):
         MedusaModel.from_pretrained(base, tmp_path / "bad")
     assert_same_base(base_snapshot(base), before)
+
+
+def test_a_lora_medusa_spec_did_not_load_is_refused_not_removed(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    medusa2_adapter(tmp_path / "a", ["q_proj", "v_proj"], seed=4)
+    base = tiny_base()
+    own = get_peft_model(base, LoraConfig(r=4, target_modules=["k_proj"], init_lora_weights=False))  # the user's
+    before = base_snapshot(base)
+    with pytest.raises(ValueError, match=r"base_model already holds the peft adapter\(s\) default, which medusa_spec "
+                                         r"did not load.*merge_and_unload\(\)"):
+        MedusaModel.from_pretrained(base, tmp_path / "a")
+    assert_same_base(base_snapshot(base), before)
+    assert own.get_base_model() is base and any("lora_A" in name for name, _ in base.named_modules())
 
 
 def test_second_load_replaces_the_lora(tmp_path, recwarn):
