@@ -179,7 +179,12 @@ def save_adapter(path: str | Path, config: MedusaConfig, state_dict: Mapping[str
     """Write medusa_config.json + medusa_heads.safetensors and, for Medusa-2, `lora` (a peft model) under lora/,
     crash-safely (see staged_save), the weights' sha256 and whether lora/ was written recorded in the config.
     Saving without `lora` removes one left by an earlier save, so new heads are never loaded with a stale LoRA
-    adapter; a lora/ that no earlier save recorded is refused (see check_lora_folder), never replaced or removed."""
+    adapter; a lora/ that no earlier save recorded is refused (see check_lora_folder), never replaced or removed.
+    Weights that do not fit `config` are refused before anything is written: the save would replace a loadable
+    adapter with one that no longer loads."""
+    check_weights(expected_shapes(config, path), state_dict, path,
+                  fix="the heads no longer match their config (was the config or a head changed after they were "
+                      "built?); build heads for a new config with MedusaModel.from_base(base_model, config)")
     with staged_save(path, (LORA_DIR, WEIGHTS_NAME, CONFIG_NAME)) as staged:
         check_lora_folder(path)  # under the save's lock, after an interrupted save was finished: the folder as it is
         save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(staged / WEIGHTS_NAME),

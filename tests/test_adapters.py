@@ -121,6 +121,18 @@ def test_generation_identical_after_round_trip(tmp_path, fmt, share_lm_head):
     assert (steps, accepted) == (expected_steps, expected_accepted)  # the heads proposed the same trees
 
 
+def test_a_save_of_heads_that_no_longer_fit_their_config_is_refused_and_keeps_the_old_adapter(tmp_path):
+    model = random_medusa(tiny_base(), num_heads=2)
+    model.save_heads(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    model.config.num_heads = 3  # heads built for 2
+    with pytest.raises(ValueError, match=r"missing blocks.2.layers.0.weight.*the heads no longer match their config"):
+        model.save_heads(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    model.config.num_heads = 2
+    assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path), model)
+
+
 def test_size_mismatch_is_an_error(tmp_path):
     random_medusa(tiny_base()).save_heads(tmp_path)
     with pytest.raises(ValueError, match="hidden_size=32 but the base model has 48"):
