@@ -37,6 +37,10 @@ class UnsupportedModelError(ValueError):
 def inspect_base_model(base_model: nn.Module) -> BaseSpec:
     """Read a BaseSpec from a transformers causal LM, or raise UnsupportedModelError saying why."""
     name = type(base_model).__name__
+    if callable(getattr(base_model, "get_base_model", None)) and hasattr(base_model, "peft_config"):
+        raise UnsupportedModelError(
+            f"{name} is a peft model; pass the transformers model it wraps, peft_model.get_base_model() (its LoRA "
+            f"layers live there and stay active), and save a Medusa-2 LoRA with save_heads(path, lora=peft_model)")
     config = getattr(base_model, "config", None)
     if config is None or not callable(getattr(base_model, "get_output_embeddings", None)):
         raise UnsupportedModelError(f"{name} is not a transformers model; pass an AutoModelForCausalLM instance")

@@ -86,7 +86,8 @@ def read_heads(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple
     return io.load_adapter(path) if fmt == "medusa_spec" else read_medusa(path, base_lm_head)
 
 
-def read_medusa(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+def read_medusa(path: str | Path,
+                base_lm_head: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read the original Medusa layout: config.json (medusa_num_heads, medusa_num_layers,
     base_model_name_or_path) and medusa_lm_head.safetensors or .pt with keys `{h}.{l}.linear.weight|bias` and
     `{h}.{L}.weight`, head h's own vocabulary projection. "Version 2" checkpoints have no projections: their
@@ -295,8 +296,8 @@ def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, t
     if config.share_lm_head and base_lm_head is None:
         warnings.warn(f"{path}: these heads share the base model's LM head, so they are written without projections "
                       f"(\"version 2\"), which TGI reads but TensorRT-LLM's converter and the original Medusa repo do "
-                      f"not; pass base_model= (medusa-spec convert --model DIR) to write a copy of its LM head as every "
-                      f"head's projection", stacklevel=2)
+                      f"not; pass base_model= (medusa-spec convert --model DIR) to write a copy of its LM head as "
+                      f"every head's projection", stacklevel=2)
     elif config.share_lm_head:
         weight = _base_lm_head_weight(base_lm_head, config, path, "the original Medusa format's projections ({h}."
                                       f"{config.num_layers}.weight, no bias)")

@@ -29,6 +29,9 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer, vocab_siz
         shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
         raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got {shape} "
                          f"(e.g. tokenizer(..., return_tensors='pt').attention_mask)")
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        raise ValueError(f"streamer must have put(token_ids) and end() methods, as transformers' TextStreamer has; got "
+                         f"{type(streamer).__name__}")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer works with one prompt (batch size 1), as in transformers")
     return max_new_tokens

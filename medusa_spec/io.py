@@ -51,6 +51,8 @@ def staged_save(path: str | Path, names: tuple[str, ...]) -> Iterator[Path]:
     An exclusive lock on `path` keeps a second save (or a load clearing leftovers) out until this one is done.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a folder: an adapter is a folder of files; save to a folder path")
     path.mkdir(parents=True, exist_ok=True)
     with _folder_lock(path, wait=True):
         _finish_interrupted(path)

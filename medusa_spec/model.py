@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -90,6 +91,8 @@ class MedusaModel(nn.Module):
         undone, so a load that fails leaves `base_model` as it was.
         """
         spec = inspect_base_model(base_model)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be the adapter folder (a str or Path), got {type(path).__name__}")
         config, state_dict = formats.read_heads(path, base_model.get_output_embeddings())
         _check_sizes(config, spec, source=str(path))
         # Compared by last path component: the same model is "org/name" on a hub and ".../name" on disk.
@@ -111,6 +114,9 @@ class MedusaModel(nn.Module):
         Medusa-2: `lora`, the peft model wrapping `base_model` whose LoRA was trained with the heads, is saved
         beside them in peft's format (lora/); saving without it removes a LoRA adapter an earlier save left.
         """
+        if lora is not None and not callable(getattr(lora, "get_base_model", None)):
+            raise TypeError(f"lora must be the peft model wrapping this MedusaModel's base_model "
+                            f"(get_peft_model(base_model, ...)), got {type(lora).__name__}")
         if lora is not None and lora.get_base_model() is not self.base_model:
             raise ValueError("lora must be the peft model wrapping this MedusaModel's base_model "
                              "(get_peft_model(base_model, ...) before MedusaModel.from_base)")

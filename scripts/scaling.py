@@ -115,7 +115,8 @@ def plot(points: list[dict], path: Path, nodes: int) -> None:
     for axis in (left, right):  # plain numbers: log-scale minor ticks as 3x10^0 overlap their neighbours
         axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        axis.set_xticks([t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if min(all_tokens) / 1.5 <= t <= max(all_tokens) * 1.5])
+        axis.set_xticks([t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+                         if min(all_tokens) / 1.5 <= t <= max(all_tokens) * 1.5])
     left.legend(fontsize=8)
     right.legend(fontsize=7)
     figure.tight_layout()

@@ -437,7 +437,8 @@ def original_medusa_logits(tensors, x, num_heads, num_layers):
     for h in range(num_heads):
         y = x
         for layer in range(num_layers):
-            y = y + nn.functional.silu(y @ tensors[f"{h}.{layer}.linear.weight"].T + tensors[f"{h}.{layer}.linear.bias"])
+            weight, bias = tensors[f"{h}.{layer}.linear.weight"], tensors[f"{h}.{layer}.linear.bias"]
+            y = y + nn.functional.silu(y @ weight.T + bias)
         out.append(y @ tensors[f"{h}.{num_layers}.weight"].T)
     return torch.stack(out, dim=-2)
 

@@ -137,6 +137,29 @@ def test_unsupported_models_are_refused_up_front():
         MedusaModel.from_base(flex)
 
 
+def test_a_peft_model_as_the_base_is_refused_naming_the_model_it_wraps():
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(UnsupportedModelError, match=r"is a peft model; pass .*peft_model.get_base_model\(\)"):
+        MedusaModel.from_base(peft_model)
+
+
+def test_wrong_kinds_of_argument_are_named(tmp_path):
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="file is a file, not a folder"):
+        mm.save_heads(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "not a folder"
+    with pytest.raises(TypeError, match="lora must be the peft model .*got LlamaForCausalLM"):
+        mm.save_heads(tmp_path / "heads", lora=model)
+    with pytest.raises(TypeError, match="path must be the adapter folder .*got NoneType"):
+        MedusaModel.from_pretrained(model, None)
+    with pytest.raises(ValueError, match=r"streamer must have put\(token_ids\) and end\(\) methods"):
+        mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, streamer=object())
+
+
 def test_tree_tensors():
     tree = build_tree([[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     # Sorted by depth then path: root, [0], [1], [0,0], [0,1], [1,0], [0,0,0].
