@@ -96,6 +96,7 @@ class MedusaConfig:
                              f"got {layers!r}")
         self.feature_layers = sorted(layers)
         self._check_draft_layer()
+        self._check_metrics()
         if self.tree is not None:
             validate_choices(self.tree, self.num_heads)
             self.tree = [list(path) for path in self.tree]
@@ -103,6 +104,22 @@ class MedusaConfig:
                                                     and re.fullmatch(r"[0-9a-f]{64}", self.weights_sha256)):
             raise ValueError(f"MedusaConfig.weights_sha256 must be 64 lowercase hex digits or null, got "
                              f"{self.weights_sha256!r}")
+
+    def _check_metrics(self) -> None:
+        """metrics is free-form but for what generate reads: eval.rank_accuracy, the trees' source."""
+        if not isinstance(self.metrics, dict) or not isinstance(self.metrics.get("eval", {}), dict):
+            raise ValueError(f"MedusaConfig.metrics must be an object (and its \"eval\" one too), got "
+                             f"{self.metrics!r}")
+        ranks = self.metrics.get("eval", {}).get("rank_accuracy")
+        if ranks is None:
+            return
+        ok = isinstance(ranks, list) and all(
+            isinstance(head, list) and head and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                                    and 0 <= a <= 1 for a in head) for head in ranks)
+        if not ok:
+            raise ValueError(f"MedusaConfig.metrics.eval.rank_accuracy must hold one list per head of how often its "
+                             f"rank-1, rank-2, ... guess is right (numbers from 0 to 1), e.g. [[0.6, 0.1], [0.4, "
+                             f"0.1]], got {ranks!r}; fix it, or delete it to decode with the adapter's stored tree")
 
     def _check_draft_layer(self) -> None:
         if self.head_type == "eagle" and self.context_heads:

@@ -133,6 +133,21 @@ def test_a_save_of_heads_that_no_longer_fit_their_config_is_refused_and_keeps_th
     assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path), model)
 
 
+@pytest.mark.parametrize("metrics, match", [
+    ({"eval": {"rank_accuracy": [0.6, 0.3]}}, "rank_accuracy must hold one list per head"),
+    ({"eval": {"rank_accuracy": [["a"]]}}, "rank_accuracy must hold one list per head"),
+    ({"eval": {"rank_accuracy": [[1.5]]}}, "rank_accuracy must hold one list per head"),
+    ({"eval": [1]}, r"metrics must be an object \(and its \"eval\" one too\)"),
+    ([1], r"metrics must be an object"),
+])
+def test_malformed_rank_accuracies_are_refused_on_load(tmp_path, metrics, match):
+    """generate grows its trees from metrics.eval.rank_accuracy: a malformed one failed deep inside tree building."""
+    random_medusa(tiny_base(), num_heads=2).save_heads(tmp_path)
+    edit_config(tmp_path, lambda config: config.update(metrics=metrics))
+    with pytest.raises(ValueError, match=rf"medusa_config.json: invalid MedusaConfig .*{match}"):
+        MedusaModel.from_pretrained(tiny_base(), tmp_path)
+
+
 def test_size_mismatch_is_an_error(tmp_path):
     random_medusa(tiny_base()).save_heads(tmp_path)
     with pytest.raises(ValueError, match="hidden_size=32 but the base model has 48"):

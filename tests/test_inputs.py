@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the problem and the fix; trees and the basic save/load."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -81,7 +83,7 @@ def test_bad_prompts(mm):
     with pytest.raises(ValueError, match="all padding"):
         mm.generate(IDS.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
     with pytest.raises(ValueError, match="batch size 1"):
-        mm.generate(IDS.repeat(2, 1), streamer=object())
+        mm.generate(IDS.repeat(2, 1), streamer=SimpleNamespace(put=print, end=print))
     with pytest.raises(ValueError, match=r"attention_mask must be a tensor of input_ids' shape \(1, 4\), got list"):
         mm.generate(IDS, attention_mask=[[1, 1, 1, 1]])
     # No attention_mask: tokens equal to pad_token_id (0) are padding, as transformers' generate infers it.
