@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from collections import deque
 
 import pytest
 import torch
 
+import medusa_spec.train.store
 from medusa_spec.accept import Sampling
 from medusa_spec.train.data import read_conversations
 from medusa_spec.train.engine import GREEDY, Request, decode_stream
@@ -316,6 +319,7 @@ def test_store_seals_chunks_and_resumes(tmp_path):
     # A kill mid-line: the cut line is dropped, everything before it is kept.
     with open(folder / "open.jsonl", "a") as f:
         f.write('{"id": "p7", "mess')
+    del store  # its writer's end (the lock goes with it)
     again = ConversationStore(folder, chunk_size=4)
     assert again.done == {f"p{i}" for i in range(7)}
     again.append([record(7), record(8), record(9)])
@@ -335,6 +339,7 @@ def test_store_drops_the_open_copy_left_by_a_kill_after_sealing(tmp_path):
     store.seal()
     (folder / "open.jsonl").write_bytes(kept)  # as if killed between the rename and the unlink
     assert [r["id"] for r in read_records(folder)] == ["p0", "p1", "p2"]
+    del store
     again = ConversationStore(folder)
     assert not (folder / "open.jsonl").exists() and again.done == {"p0", "p1", "p2"}
     again.append([record(3)])
@@ -376,9 +381,58 @@ def test_reading_while_a_line_is_being_written_leaves_the_file_alone(tmp_path):
     # Its writer, started after a kill left half a line, cuts it off and appends whole lines.
     with open(folder / "open.jsonl", "a", encoding="utf-8") as writer:
         writer.write(json.dumps(record(2))[:20])
+    del store
     store = ConversationStore(folder)
     store.append([record(3)])
     assert [r["id"] for r in read_records(folder)] == ["p0", "p1", "p3"]
+
+
+@pytest.mark.parametrize("single_file", [False, True], ids=["folder", "file"])
+def test_a_second_writer_is_refused(tmp_path, single_file):
+    """Two writers on one output interleave their chunks: records were lost and others stored twice."""
+    path = tmp_path / ("out.jsonl" if single_file else "data")
+    store = ConversationStore(path, chunk_size=2)
+    store.append([record(0)])
+    with pytest.raises(ValueError, match="is being written by another distill run .*write to another --output"):
+        ConversationStore(path, chunk_size=2)
+    code = (f"from medusa_spec.train.store import ConversationStore; ConversationStore({str(path)!r})")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert other.returncode != 0 and "is being written by another distill run" in other.stderr
+    store.append([record(1), record(2)])
+    del store  # its process ends
+    ConversationStore(path, chunk_size=2).append([record(3)])
+    assert [r["id"] for r in read_records(path)] == ["p0", "p1", "p2", "p3"]
+
+
+def test_a_reader_sees_every_record_while_chunks_are_sealed(tmp_path, monkeypatch):
+    """train --data may read while distill writes: a chunk sealed between listing the parts and reading open.jsonl
+    was missed (or open.jsonl was gone: FileNotFoundError)."""
+    folder = tmp_path / "data"
+    store = ConversationStore(folder, chunk_size=3)
+    store.append([record(i) for i in range(5)])  # part-00000 with p0-p4
+    store.append([record(5)])
+    listed = medusa_spec.train.store._parts
+
+    sealed = []
+
+    def seal_after_listing(path):
+        parts = listed(path)
+        if not sealed:  # once, as the reader lists
+            sealed.append(True)
+            store.append([record(6), record(7)])  # reaches 3 in open.jsonl: sealed into part-00001
+        return parts
+
+    monkeypatch.setattr(medusa_spec.train.store, "_parts", seal_after_listing)
+    assert [r["id"] for r in read_records(folder)] == [f"p{i}" for i in range(8)]
+
+
+def test_a_damaged_part_is_named(tmp_path):
+    folder = tmp_path / "data"
+    ConversationStore(folder, chunk_size=2).append([record(0), record(1)])
+    part = folder / "part-00000.jsonl.gz"
+    part.write_bytes(part.read_bytes()[:20])
+    with pytest.raises(ValueError, match=r"part-00000.jsonl.gz is damaged \(not a complete gzip file\): restore it"):
+        read_records(folder)
 
 
 def test_store_reads_back_text_with_unicode_line_separators(tmp_path):

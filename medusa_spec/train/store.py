@@ -13,7 +13,14 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import weakref
+import zlib
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; keeping to one writer per output is then the user's part
+    fcntl = None
 
 OPEN = "open.jsonl"
 
@@ -39,6 +46,14 @@ def complete_lines(file: Path, cut: bytes = b"") -> bytes:
         with open(file, "r+b") as f:
             f.truncate(len(complete))
     return complete
+
+
+def _part_bytes(part: Path) -> bytes:
+    try:
+        return gzip.decompress(part.read_bytes())
+    except (EOFError, OSError, zlib.error):  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{part} is damaged (not a complete gzip file): restore it (git checkout -- {part}), or "
+                         f"delete it to distil its conversations again") from None
 
 
 def _records(data: bytes, source: Path) -> list[dict]:
@@ -70,26 +85,51 @@ def read_records(path: str | Path) -> list[dict]:
         return _records(complete_lines(path), path) if path.is_file() else []
     if not path.is_dir():
         return []
-    records = [r for part in _parts(path) for r in _records(gzip.decompress(part.read_bytes()), part)]
-    open_file = path / OPEN
-    if open_file.is_file():
-        seen = {r["id"] for r in records}
-        # A kill between writing a part and removing open.jsonl leaves its records twice.
-        records += [r for r in _records(complete_lines(open_file), open_file) if r["id"] not in seen]
-    return records
+    while True:  # a writer may seal open.jsonl into a new part while this reads: then read again
+        parts = _parts(path)
+        records = [r for part in parts for r in _records(_part_bytes(part), part)]
+        open_file = path / OPEN
+        try:
+            opened = _records(complete_lines(open_file), open_file)
+        except FileNotFoundError:
+            opened = []
+        if _parts(path) == parts:
+            break
+    seen = {r["id"] for r in records}
+    # A kill between writing a part and removing open.jsonl leaves its records twice.
+    return records + [r for r in opened if r["id"] not in seen]
+
+
+def _hold_writer_lock(path: Path, owner: object) -> None:
+    """An exclusive flock on the store's folder (or file) for `owner`'s life: a second writer would interleave its
+    parts with this one's, losing and repeating records. No lock file is left behind; the kernel drops the lock
+    when its holder dies."""
+    if fcntl is None:
+        return
+    fd = os.open(path, os.O_RDONLY | (0 if path.is_dir() else os.O_CREAT), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"{path} is being written by another distill run (it holds its lock): wait for that run to "
+                         f"end, or write to another --output") from None
+    weakref.finalize(owner, os.close, fd)
 
 
 class ConversationStore:
-    """Append-only writer; `done` holds the ids already written (the resume key)."""
+    """Append-only writer, the only one of its output while it lives (a second is refused); `done` holds the ids
+    already written (the resume key)."""
 
     def __init__(self, path: str | Path, chunk_size: int = 2000):
         self.path, self.chunk_size = Path(path), chunk_size
         self.folder = is_folder(self.path)
         if self.folder:
             self.path.mkdir(parents=True, exist_ok=True)
+            _hold_writer_lock(self.path, self)
             self._seal_if_duplicate()
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            _hold_writer_lock(self.path, self)
         self._file = self.path / OPEN if self.folder else self.path
         self._open_count = 0
         if self._file.is_file():
@@ -103,7 +143,7 @@ class ConversationStore:
         """After a kill between sealing a part and removing open.jsonl, the open file is a copy."""
         open_file, parts = self.path / OPEN, _parts(self.path)
         if open_file.is_file() and parts:
-            last = {r["id"] for r in _records(gzip.decompress(parts[-1].read_bytes()), parts[-1])}
+            last = {r["id"] for r in _records(_part_bytes(parts[-1]), parts[-1])}
             opened = {r["id"] for r in _records(complete_lines(open_file), open_file)}
             if opened and opened <= last:
                 open_file.unlink()
