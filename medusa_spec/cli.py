@@ -17,6 +17,7 @@ from .formats import FORMATS, convert
 from .inputs import resolve_sampling
 from .model import MedusaModel
 from .train.cli import add_train_commands
+from .train.server import ServerError
 from .tree import default_tree, grow_tree
 
 
@@ -366,7 +367,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:  # our errors already say what to fix
+    except (ValueError, FileNotFoundError, ServerError) as err:  # our errors already say what to fix
         print(f"medusa-spec {args.command}: {err}", file=sys.stderr)
         return 2
 

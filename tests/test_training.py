@@ -28,7 +28,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import medusa_spec.train.server
 from medusa_spec import MedusaConfig, MedusaModel, grow_tree
+from medusa_spec.cli import main as cli_main
 from medusa_spec.train import loop
 from medusa_spec.train.cli import add_train_commands
 from medusa_spec.train.config import TrainConfig
@@ -1065,10 +1067,84 @@ def test_a_server_refusal_for_context_length_skips_the_prompt_and_any_other_stop
         server.shutdown()
 
 
-def test_distill_server_errors_name_the_fix(tmp_path):
+class FlakyServer:
+    """A chat-completions server on loopback that answers "w1 w2" after failing as `failures` says, one failure per
+    request: "503" (busy), "truncated" (the body cut short midway), "reset" (the connection dropped)."""
+
+    def __init__(self, failures, content="w1 w2"):
+        import http.server
+        import threading
+
+        owner = self
+        self.failures, self.requests = list(failures), 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                owner.requests += 1
+                failure = owner.failures.pop(0) if owner.failures else None
+                if failure == "reset":
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                body = json.dumps({"choices": [{"message": {"role": "assistant", "content": content},
+                                                "finish_reason": "stop"}],
+                                   "usage": {"completion_tokens": 2}}).encode()
+                self.send_response(503 if failure == "503" else 200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[: len(body) // 2] if failure == "truncated" else body)
+                if failure == "truncated":
+                    self.connection.shutdown(socket.SHUT_RDWR)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.mark.parametrize("failures", [["503", "503"], ["truncated"], ["reset"]])
+def test_distill_through_a_server_retries_what_a_busy_server_drops(tmp_path, monkeypatch, failures):
+    """A 503, a reply cut short or a dropped connection stopped the run (the last two with a raw
+    http.client traceback): such a request is sent again, and every answer is stored once."""
+    monkeypatch.setattr(medusa_spec.train.server, "BACKOFF_SECONDS", 0.01)
+    server = FlakyServer(failures)
+    try:
+        cfg = DistillConfig(model=None, prompts=[], output=str(tmp_path / "out"), server=server.url,
+                            server_model="m", concurrency=1)
+        stats = distill_via_server([Prompt(f"p{i}", (f"q{i}",)) for i in range(3)], cfg, progress=False)
+        assert stats["written"] == 3 and server.requests == 3 + len(failures)
+        assert [r["messages"][-1]["content"] for r in read_records(tmp_path / "out")] == ["w1 w2"] * 3
+        server.failures = ["503"] * medusa_spec.train.server.TRIES  # busy past every try: the run stops
+        with pytest.raises(ServerError, match=rf"answered HTTP 503.*tried {medusa_spec.train.server.TRIES} times"):
+            distill_via_server([Prompt("p9", ("q9",))], cfg, progress=False)
+    finally:
+        server.server.shutdown()
+
+
+def test_a_reply_without_text_stops_the_run_and_stores_nothing(tmp_path):
+    server = FlakyServer([], content=None)
+    try:
+        cfg = DistillConfig(model=None, prompts=[], output=str(tmp_path / "out"), server=server.url, server_model="m")
+        with pytest.raises(ServerError, match=r"the reply to 'p0' holds no text \(content None\)"):
+            distill_via_server([Prompt("p0", ("q0",))], cfg, progress=False)
+        assert read_records(tmp_path / "out") == []
+    finally:
+        server.server.shutdown()
+
+
+def test_distill_server_errors_name_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(medusa_spec.train.server, "BACKOFF_SECONDS", 0.01)
     cfg = DistillConfig(model=None, prompts=[], output=str(tmp_path / "out"), server=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(ServerError, match="cannot reach .* start the server"):
         distill_via_server([Prompt("p", ("hi",))], cfg, progress=False)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    code = cli_main(["distill", "--server", cfg.server, "--prompts", str(prompts), "--output", str(tmp_path / "o")])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith("medusa-spec distill: cannot reach") and "Traceback" not in error
     with pytest.raises(ValueError, match="--self-prompts and --follow-ups need"):
         distill_via_server([], DistillConfig(model=None, prompts=[], output="x", server="http://h", follow_ups=0.5),
                            progress=False)

@@ -8,6 +8,7 @@ the same way (store.py) and resumable the same way: conversations already stored
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import time
@@ -27,20 +28,30 @@ class ServerError(RuntimeError):
     """The server refused a request or answered something that is not a chat completion."""
 
 
+# A busy, restarting or overloaded server answers 429 / 5xx, drops a connection or a reply midway: such a request
+# is sent again after 1, 2, 4, ... seconds before the run stops.
+TRIES, BACKOFF_SECONDS = 5, 1.0
+
+
 def _call(url: str, payload: dict | None, timeout: float) -> dict:
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        body = err.read().decode(errors="replace")[:300]
-        raise ServerError(f"{url} answered HTTP {err.code}: {body}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-        raise ServerError(f"cannot reach {url} ({err}); start the server, or check --server "
-                          f"(e.g. http://127.0.0.1:8000)") from None
-    except json.JSONDecodeError:
-        raise ServerError(f"{url} did not answer JSON; is --server an OpenAI-compatible server?") from None
+    for attempt in range(TRIES):
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            body = err.read().decode(errors="replace")[:300]
+            if err.code != 429 and err.code < 500:  # the request itself is refused: sending it again won't help
+                raise ServerError(f"{url} answered HTTP {err.code}: {body}") from None
+            failure = f"{url} answered HTTP {err.code}: {body}"
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as err:
+            failure = f"cannot reach {url} ({err!r}); start the server, or check --server (e.g. http://127.0.0.1:8000)"
+        except json.JSONDecodeError:
+            failure = f"{url} did not answer JSON; is --server an OpenAI-compatible server?"
+        if attempt + 1 < TRIES:
+            time.sleep(BACKOFF_SECONDS * 2 ** attempt)
+    raise ServerError(f"{failure} (tried {TRIES} times)")
 
 
 def _context_too_short(error: str) -> bool:
@@ -87,9 +98,12 @@ def _converse(base_url: str, model: str, prompt: Prompt, cfg, timeout: float) ->
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise ServerError(f"{base_url}: not a chat completion: {json.dumps(reply)[:300]}") from None
+        if not isinstance(text, str):  # null: a refusal or tool call, not an answer to train on (nor to skip later)
+            raise ServerError(f"{base_url}: the reply to {prompt.id!r} holds no text (content {text!r}): "
+                              f"{json.dumps(reply)[:300]}; check the server's chat template and tool settings")
         # Stopped by max_tokens: marked as distill marks an answer it stopped (training leaves out the end marker).
         cut = {"cut": True} if reply["choices"][0].get("finish_reason") == "length" else {}
-        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": (text or "").strip(), **cut}]
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text.strip(), **cut}]
         tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
     if not any(m["role"] == "assistant" for m in messages):
         return None, tokens
