@@ -3,6 +3,7 @@ conversation store (store.py)."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import subprocess
@@ -49,6 +50,20 @@ def test_greedy_rows_equal_transformers_generate_with_refills(arch):
     assert sorted(got) == list(range(9))
     for i, ids in enumerate(asks):
         assert got[i] == reference(model, ids, limits[i]), (arch, i)
+
+
+def test_the_cache_holds_no_more_rows_than_requests(monkeypatch):
+    """--batch-size 2000 with 3 prompts allocated 2000 cache rows (1.5 GB where 0.5 GB do)."""
+    from medusa_spec.train import engine
+
+    made = []
+    monkeypatch.setattr(engine, "Slots", functools.partial(lambda slots, *args: made.append(args[1]) or slots(*args),
+                                                           engine.Slots))
+    model, asks = tiny_model("llama"), prompts(3)
+    requests = deque(Request(i, ids, max_new_tokens=4) for i, ids in enumerate(asks))
+    got = dict(decode_stream(model, requests, {EOS}, rows=2000, max_new_tokens=4))
+    assert made == [3]
+    assert [got[i] for i in range(3)] == [reference(model, ids, 4) for ids in asks]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
