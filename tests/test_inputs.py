@@ -162,6 +162,17 @@ def test_wrong_kinds_of_argument_are_named(tmp_path):
         mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, streamer=object())
 
 
+def test_a_tree_rank_past_the_heads_guesses_is_refused_before_decoding():
+    """A rank at or past the vocabulary failed inside topk at the first step ("selected index k out of range")."""
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with pytest.raises(ValueError, match=rf"tree: rank in \[{vocab}\] is outside the top-{vocab} candidates"):
+        mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, tree=[[vocab]])
+    out = mm.generate(torch.tensor([[3, 5]]), max_new_tokens=2, tree=[[vocab - 1]], eos_token_id=[])
+    assert out.sequences.shape == (1, 4)
+
+
 def test_tree_tensors():
     tree = build_tree([[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     # Sorted by depth then path: root, [0], [1], [0,0], [0,1], [1,0], [0,0,0].

@@ -941,6 +941,63 @@ def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
         TrainConfig(model="m", data=["d"], output="o", mode="medusa2", cache_hidden=True)
 
 
+@pytest.mark.parametrize("section, settings, match", [
+    ("distill", {"batch_size": "big"}, "setting 'batch_size' must be an integer, got \"big\""),
+    ("distill", {"prompts": "p.jsonl"}, "setting 'prompts' must be an array of strings, got \"p.jsonl\""),
+    ("train", {"lr": "1e-3"}, "setting 'lr' must be a number, got \"1e-3\""),
+    ("train", {"max_steps": True}, "setting 'max_steps' must be an integer or null, got true"),
+])
+def test_a_recipe_value_of_the_wrong_type_is_named(tmp_path, section, settings, match):
+    """A string for a number compared as one deep inside (TypeError), and a string for a list of files was read
+    letter by letter ("d: no such file")."""
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({section: {"data": ["d.jsonl"], "output": "o", **settings}}
+                                 if section == "train" else {section: {"output": "o", **settings}}))
+    parser = argparse.ArgumentParser()
+    add_train_commands(parser.add_subparsers(dest="command"))
+    with pytest.raises(ValueError, match=rf"recipe.json: the recipe's '{section}' {match}"):
+        resolve(TrainConfig if section == "train" else DistillConfig,
+                parser.parse_args([section, "--config", str(recipe)]), section)
+
+
+@pytest.mark.parametrize("flag, value, match", [
+    ("lr", math.nan, "--lr must be a number >= 0"), ("lr", -1.0, "--lr must be a number >= 0"),
+    ("head_decay", math.nan, "--head-decay must be a number > 0"), ("epochs", 0.0, "--epochs must be a number > 0"),
+    ("max_steps", 0, "--max-steps must be >= 1"), ("max_steps", -3, "--max-steps must be >= 1"),
+    ("min_lr_ratio", 2.0, "--min-lr-ratio must be from 0 to 1"), ("warmup_steps", -1, "--warmup-steps must be >= 0"),
+    ("max_grad_norm", -1.0, "--max-grad-norm must be >= 0"), ("save_every", -1, "--save-every must be >= 0"),
+    ("heads_loss_weight", math.nan, "--heads-loss-weight must be >= 0"),
+    ("num_layers", 0, "--num-layers 0 leaves heads that share the LM head nothing to train"),
+])
+def test_training_settings_out_of_range_are_refused(flag, value, match):
+    """Each used to train: a nan learning rate saved all-nan heads, --max-steps -3 an untrained adapter, and
+    --num-layers 0 failed inside autograd."""
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(model="m", data=["d"], output="o", **{flag: value})
+
+
+def test_tree_refuses_a_size_below_one(capsys):
+    """--nodes 0 or -3 stored "tree": [] in the adapter, silently turning speculation off."""
+    parser = argparse.ArgumentParser()
+    add_train_commands(parser.add_subparsers(dest="command"))
+    for nodes in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["tree", "--heads", "h", "--nodes", nodes])
+        assert f"must be an integer >= 1, got {nodes}" in capsys.readouterr().err
+
+
+def test_train_refuses_to_replace_finished_heads_and_checks_ranks_first(base_dir, conversations, tmp_path):
+    output = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"--eval-ranks 500 asks for more ranks than the heads have guesses"):
+        train(small_run(base_dir, conversations, output, max_steps=2, eval_ranks=500))
+    assert not (output / "medusa_config.json").exists()
+    train(small_run(base_dir, conversations, output, max_steps=2))
+    heads = (output / "medusa_heads.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="already holds trained heads .*choose a new --output"):
+        train(small_run(base_dir, conversations, output, max_steps=2, seed=1))
+    assert (output / "medusa_heads.safetensors").read_bytes() == heads
+
+
 def test_a_recipe_or_command_line_with_the_old_output_dir_reads_as_output(tmp_path):
     """--output-dir became --output (as bench's and distill's): a recipe's "output_dir" and the old flag still set it,
     and a recipe that gives both names different folders is refused, not read one way or the other."""

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 
 from .. import default_model
 from ..base import inspect_base_model
-from ..flags import add_flag, check_device, default_device, fast_dtype
+from ..flags import add_flag, check_device, default_device, fast_dtype, positive_int
 from ..model import MedusaModel
 from .config import TrainConfig
 from .data import make_rows, read_conversations, read_prompt_files, tokenize_conversation
@@ -90,7 +90,8 @@ def add_train_commands(subparsers) -> None:
                                           "folder written by `medusa-spec train`). Uses the accuracies saved by "
                                           "training, or measures them with --model and --data.")
     add_flag(p, "heads", required=True, aliases=("--adapter",))
-    p.add_argument("--nodes", type=int, default=16, help="tree size, root included; larger suits GPUs (default: 16)")
+    p.add_argument("--nodes", type=positive_int, default=16,
+                   help="tree size, root included; larger suits GPUs (default: 16)")
     # Measuring afresh: --data (held-out conversations), read as train reads its data.
     add_flag(p, "data")
     add_flag(p, "model")

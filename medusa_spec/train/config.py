@@ -3,6 +3,7 @@ too: medusa_spec.flags), checked when built."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import HEAD_TYPES
@@ -103,6 +104,28 @@ class TrainConfig:
                      "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # nan compares false with everything, so each range is written to hold for the good values only.
+        ranges = {"num_layers": (0, None), "warmup_steps": (0, None), "eval_every": (0, None),
+                  "save_every": (0, None), "eval_examples": (0, None), "heads_warmup_steps": (0, None),
+                  "weight_decay": (0, None), "max_grad_norm": (0, None), "heads_loss_weight": (0, None),
+                  "min_lr_ratio": (0, 1), "lora_dropout": (0, 0.999)}
+        for name, (low, high) in ranges.items():
+            value = getattr(self, name)
+            if not (value >= low and (high is None or value <= high)):
+                within = f">= {low}" if high is None else f"from {low} to {high}"
+                raise ValueError(f"--{name.replace('_', '-')} must be {within}, got {value}")
+        for name in ("lr", "base_lr"):  # 0 is allowed: heads carried over unchanged (--init-heads)
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0, got {getattr(self, name)}")
+        for name in ("head_decay", "epochs"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a number > 0, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1 (or left out to train --epochs passes), got {self.max_steps}")
+        if (self.num_layers == 0 and self.head_type == "medusa" and self.share_lm_head and not self.feature_layers
+                and not self.context_heads and self.init_heads is None):
+            raise ValueError("--num-layers 0 leaves heads that share the LM head nothing to train: give them a block "
+                             "(--num-layers 1) or their own projection (--no-share-lm-head)")
         if self.draft_layer_mlp is not None and (self.head_type != "eagle" or self.draft_layer_mlp < 1):
             raise ValueError(f"--draft-layer-mlp sets the width of eagle heads' draft layer: use it with --head-type "
                              f"eagle and a width >= 1, got {self.draft_layer_mlp} with --head-type {self.head_type}")

@@ -159,7 +159,7 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
     while len(written) < cfg.self_prompts:
         want = cfg.self_prompts - len(written)
         if tries > 4 * cfg.self_prompts + 64:
-            raise RuntimeError(f"the model repeats itself: {len(written)} distinct prompts after {tries} tries; "
+            raise ValueError(f"the model repeats itself: {len(written)} distinct prompts after {tries} tries; "
                                f"raise --prompt-temperature or ask for fewer --self-prompts")
         batch = deque(Request(i, opening, prompt_sampling(cfg), 160) for i in range(min(want * 2, 256)))
         tries += len(batch)

@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 
 from .. import default_model
 from ..base import inspect_base_model
-from ..config import MedusaConfig
+from ..config import CONFIG_NAME, MedusaConfig
 from ..eagle import draft_layer_shape
 from ..flags import check_output_folder
 from ..io import LORA_DIR, check_lora_folder
@@ -55,6 +55,9 @@ def train(cfg: TrainConfig) -> dict:
     if checkpoint is not None and not cfg.resume:
         raise ValueError(f"{output_dir} already holds checkpoints ({checkpoint.name}); pass --resume to continue "
                          f"that run, or choose a new --output")
+    if checkpoint is None and (output_dir / CONFIG_NAME).exists():  # a finished run's heads, nothing to resume
+        raise ValueError(f"{output_dir} already holds trained heads ({CONFIG_NAME}), which this run would replace; "
+                         f"choose a new --output (--init-heads {output_dir} trains those heads on)")
     check_lora_folder(output_dir)  # the adapter is saved there at the end: refuse a lora/ it would delete now
     keep_trainable_weights_only(accelerator)
 
@@ -66,6 +69,10 @@ def train(cfg: TrainConfig) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     base_model, tokenizer = load_model_and_tokenizer(cfg.model, dtype, cfg.plain_text)
     spec = inspect_base_model(base_model)
+    guesses = cfg.draft_vocab or spec.vocab_size  # what a head ranks; checked now, not after the training
+    if cfg.eval_ranks > guesses:
+        raise ValueError(f"--eval-ranks {cfg.eval_ranks} asks for more ranks than the heads have guesses ({guesses}: "
+                         f"{'--draft-vocab' if cfg.draft_vocab else 'the vocabulary'}); use at most {guesses}")
     train_rows, eval_rows, trained_on = build_rows(tokenizer, conversations, cfg, replayed)
     # What the heads will have learned from: this run's sample plus what the initial heads had (read now: a bad
     # record fails before training, not after).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from pathlib import Path
 
@@ -63,6 +64,33 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
     parser.add_argument("--config", metavar="RECIPE.json", help="recipe file; flags given here override it")
 
 
+def _is_json(value, kind) -> bool:
+    """Whether a recipe's value has the field's type `kind` (int, float, str, bool, list[X], each maybe | None)."""
+    options = [a for a in typing.get_args(kind) if a is not type(None)] if typing.get_origin(kind) is not list \
+        else [kind]
+    if value is None:
+        return type(None) in typing.get_args(kind)
+    base = options[0] if options else kind
+    if typing.get_origin(base) is list:
+        item = typing.get_args(base)[0]
+        return isinstance(value, list) and all(_is_json(v, item) for v in value)
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, base)
+
+
+def _json_type(kind) -> str:
+    options = [a for a in typing.get_args(kind) if a is not type(None)] if typing.get_origin(kind) is not list \
+        else [kind]
+    base = options[0] if options else kind
+    if typing.get_origin(base) is list:
+        return f"an array of {_json_type(typing.get_args(base)[0]).removeprefix('a ').removeprefix('an ')}s"
+    name = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(base, str(base))
+    return name + (" or null" if len(options) < len(typing.get_args(kind)) else "")
+
+
 def _json_kind(value) -> str:
     return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
 
@@ -90,6 +118,12 @@ def resolve(cls, args: argparse.Namespace, section: str):
         if unknown:
             raise ValueError(f"{args.config}: unknown {section!r} settings {unknown}; the names are those of the "
                              f"flags, with _ for -")
+        hints = typing.get_type_hints(cls)
+        for name, value in values.items():
+            expected = _json_type(hints[name])
+            if not _is_json(value, hints[name]):
+                raise ValueError(f"{args.config}: the recipe's {section!r} setting {name!r} must be {expected}, got "
+                                 f"{json.dumps(value)}")
     values.update({k: v for k, v in vars(args).items() if k in names})
     missing = [f.name for f in dataclasses.fields(cls) if f.metadata.get("required") and values.get(f.name) is None]
     if missing:
