@@ -137,8 +137,7 @@ def load_speculation(args):
     mm, tokenizer = load(args)
     base = mm.base_model
     draft = self_draft(base, args.self_draft_layers) if args.self_draft_layers is not None else load_draft_model(args)
-    documents = [tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
-                 for path in args.documents or []]
+    documents = [tokenizer(_document_text(path), add_special_tokens=False).input_ids for path in args.documents or []]
 
     def speculate(ids, streamer):
         options = dict(max_new_tokens=args.max_new_tokens, streamer=streamer, **_sampling_kwargs(args))
@@ -356,11 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="folder holding the heads, in any of the formats (detected from its files)")
     p.add_argument("dst", help="folder to write; files of the target format there are replaced")
     p.add_argument("--to", required=True, choices=FORMATS, help="format to write")
-    add_flag(p, "model", default_help="none: needed for --to vllm when the heads share the base LM head, which is "
-                                      "copied from it; when given, the heads are checked against it",
+    add_flag(p, "model", default_help="none: needed for --to vllm, and for TensorRT-LLM with --to medusa, when the "
+                                      "heads share the base LM head, which is copied from it; when given, the heads "
+                                      "are checked against it",
              aliases=("--base-model",))
     p.set_defaults(func=run_convert)
     return parser
+
+
+def _document_text(path: str) -> str:
+    if not Path(path).is_file():
+        what = "a folder" if Path(path).is_dir() else "no such file"
+        raise ValueError(f"--documents {path}: {what}; give text files")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--documents {path} is not UTF-8 text; give text files") from None
 
 
 def main(argv=None) -> int:

@@ -75,12 +75,16 @@ def check_model_folder(path: str | Path, flag: str = "--model", tokenizer: bool 
     return path
 
 
-def check_output_folder(path: str | Path, flag: str = "--output") -> Path:
-    """`path` unless it is an existing file, where the folder the command writes cannot be made: checked before the
-    work, since mkdir would only fail (FileExistsError) when the results are written."""
+def check_output_folder(path: str | Path, flag: str = "--output", file_ok: bool = False) -> Path:
+    """`path` unless it is an existing file (`file_ok`: an output file, which may exist) or lies under one, where the
+    folder the command writes cannot be made: checked before the work, since mkdir would only fail (FileExistsError,
+    NotADirectoryError) when the results are written."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    if path.exists() and not path.is_dir() and not file_ok:
         raise ValueError(f"{flag} {path} is a file; give a folder (made if missing)")
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{flag} {path} lies under {blocking}, which is a file; give a folder (made if missing)")
     return path
 
 
@@ -184,7 +188,7 @@ FLAGS = {
     "lookup": Flag("also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the output and "
                    "--documents) in the same pass as the heads' tree; in bench, the chain of the lookup and "
                    "medusa_lookup methods; 0 turns it off", type=non_negative_int, metavar="N",
-                   unset=f"{LOOKUP_TOKENS}, or 0 with a draft model"),
+                   unset=f"{LOOKUP_TOKENS}; in generate and chat 0 with a draft model"),
     "documents": Flag("text files whose tokens prompt lookup also searches (with --lookup)", nargs="+",
                       metavar="FILE", unset="none"),
     "draft_model": Flag("a draft model with the base's vocabulary: generate and chat speculate with it instead of "

@@ -500,6 +500,35 @@ def test_an_output_folder_that_is_a_file_is_refused_before_the_work(model_dir, h
     assert loaded == [] and file.read_text() == "{}"
 
 
+@pytest.mark.parametrize("command, output", [
+    (["bench", "--model", "{model}", "--limit", "1", "--max-new-tokens", "2", "--methods", "hf_greedy"], "{file}/sub"),
+    (["distill", "--model", "{model}", "--prompts", "{prompts}"], "{file}/sub"),
+    (["distill", "--model", "{model}", "--prompts", "{prompts}"], "{file}/sub.jsonl"),
+    (["distill", "--model", "{model}", "--prompts", "{prompts}"], "{file}"),
+], ids=["bench-under-a-file", "distill-under-a-file", "distill-file-under-a-file", "distill-folder-on-a-file"])
+def test_an_output_under_a_file_is_refused_before_the_work(model_dir, tmp_path, capsys, command, output):
+    """bench ran the whole benchmark and then lost it to NotADirectoryError; distill failed with FileExistsError or
+    NotADirectoryError tracebacks."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w9"}')
+    fill = dict(model=model_dir, prompts=prompts, file=file)
+    assert main([word.format(**fill) for word in command + ["--output", output]]) == 2
+    assert re.search(rf"--output {re.escape(output.format(**fill))} (lies under {re.escape(str(file))}, which )?is a "
+                     rf"file; give a folder", capsys.readouterr().err)
+    assert file.read_text() == "mine"
+
+
+def test_documents_that_are_not_text_files_are_named(model_dir, tmp_path, capsys):
+    (tmp_path / "binary.bin").write_bytes(b"\xa1\xff\x00")
+    for path, problem in ((tmp_path, "a folder"), (tmp_path / "missing.txt", "no such file"),
+                          (tmp_path / "binary.bin", "is not UTF-8 text")):
+        assert main(["generate", "w5 w9", "--model", str(model_dir), "--max-new-tokens", "2", "--lookup", "3",
+                     "--documents", str(path)]) == 2
+        assert f"--documents {path}" in (err := capsys.readouterr().err) and problem in err
+
+
 def test_a_recipe_that_is_not_json_names_the_file_and_the_fix(tmp_path, capsys):
     recipe = tmp_path / "recipe.json"
     recipe.write_text('{"train": {"num_heads": 3,}}')

@@ -17,6 +17,8 @@ import weakref
 import zlib
 from pathlib import Path
 
+from ..flags import check_output_folder
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; keeping to one writer per output is then the user's part
@@ -123,6 +125,7 @@ class ConversationStore:
     def __init__(self, path: str | Path, chunk_size: int = 2000):
         self.path, self.chunk_size = Path(path), chunk_size
         self.folder = is_folder(self.path)
+        check_output_folder(self.path, file_ok=not self.folder)  # not mkdir's FileExistsError
         if self.folder:
             self.path.mkdir(parents=True, exist_ok=True)
             _hold_writer_lock(self.path, self)
