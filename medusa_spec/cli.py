@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_seed_option(p)
     add_flag(p, "prompts", [str(bench.MT_BENCH)], default_help="MT-bench's 80 questions, shipped")
     add_flag(p, "prompt_field")
-    p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    p.add_argument("--per-category", type=positive_int, default=None, metavar="N",
+                   help="prompts per category (default: all)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="only the first N prompts (after --per-category), for a quick run")
     add_flag(p, "output", "bench-results", aliases=("--out",))

@@ -135,6 +135,14 @@ def non_negative_int(text: str) -> int:
     return int(text)
 
 
+def seed(text: str) -> int:
+    """A seed torch takes: torch.manual_seed refuses past 64 bits ("Overflow when unpacking long long")."""
+    value = int(text)
+    if not -2**63 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be an integer from {-2**63} to {2**64 - 1}, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -183,7 +191,7 @@ FLAGS = {
     "top_p": Flag("sample among the most likely tokens whose probabilities sum to P, 1.0: all", type=float,
                   metavar="P", unset=_FROM_GENERATION_CONFIG.format("1.0")),
     "seed": Flag("seed of torch's random numbers (demo: the random model and prompt; generate, chat, bench, distill: "
-                 "sampling; train: initialisation, data order and dropout)", type=int),
+                 "sampling; train: initialisation, data order and dropout)", type=seed),
     # Proposers besides the heads: generate and chat speculate with one, bench compares them as methods.
     "lookup": Flag("also verify a chain of up to N prompt-lookup candidates (copied from the prompt, the output and "
                    "--documents) in the same pass as the heads' tree; in bench, the chain of the lookup and "

@@ -520,6 +520,22 @@ def test_an_output_under_a_file_is_refused_before_the_work(model_dir, tmp_path, 
     assert file.read_text() == "mine"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "w5", "--seed", "99999999999999999999"], "--seed: must be an integer from"),
+    (["bench", "--per-category", "0"], "--per-category: must be an integer >= 1, got 0"),
+])
+def test_flag_values_torch_or_the_prompts_would_refuse_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_prompts_folder_is_named_as_a_folder(model_dir, tmp_path, capsys):
+    assert main(["distill", "--model", str(model_dir), "--prompts", str(tmp_path), "--output",
+                 str(tmp_path / "out")]) == 2
+    assert f"{tmp_path}: a folder, not a JSONL file" in capsys.readouterr().err
+
+
 def test_documents_that_are_not_text_files_are_named(model_dir, tmp_path, capsys):
     (tmp_path / "binary.bin").write_bytes(b"\xa1\xff\x00")
     for path, problem in ((tmp_path, "a folder"), (tmp_path / "missing.txt", "no such file"),

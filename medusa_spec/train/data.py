@@ -106,7 +106,7 @@ def read_jsonl(path: str | Path) -> list[tuple[int, object]]:
     """(line number, parsed value) for every non-blank line; clear errors for a missing or empty file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise FileNotFoundError(f"{path}: {'a folder, not a JSONL file' if path.is_dir() else 'no such file'}")
     records = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
