@@ -64,31 +64,32 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
     parser.add_argument("--config", metavar="RECIPE.json", help="recipe file; flags given here override it")
 
 
+def _field_type(kind) -> tuple[object, bool]:
+    """A field's type hint as (its type, whether null is allowed): `int | None` -> (int, True)."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is list or not args:
+        return kind, False
+    return next(a for a in args if a is not type(None)), type(None) in args
+
+
 def _is_json(value, kind) -> bool:
     """Whether a recipe's value has the field's type `kind` (int, float, str, bool, list[X], each maybe | None)."""
-    options = [a for a in typing.get_args(kind) if a is not type(None)] if typing.get_origin(kind) is not list \
-        else [kind]
+    base, optional = _field_type(kind)
     if value is None:
-        return type(None) in typing.get_args(kind)
-    base = options[0] if options else kind
+        return optional
     if typing.get_origin(base) is list:
-        item = typing.get_args(base)[0]
-        return isinstance(value, list) and all(_is_json(v, item) for v in value)
-    if base is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if base is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, list) and all(_is_json(v, typing.get_args(base)[0]) for v in value)
+    if base in (int, float):  # JSON's true is no number; an integer is a number
+        return isinstance(value, (int, float) if base is float else int) and not isinstance(value, bool)
     return isinstance(value, base)
 
 
 def _json_type(kind) -> str:
-    options = [a for a in typing.get_args(kind) if a is not type(None)] if typing.get_origin(kind) is not list \
-        else [kind]
-    base = options[0] if options else kind
+    base, optional = _field_type(kind)
     if typing.get_origin(base) is list:
         return f"an array of {_json_type(typing.get_args(base)[0]).removeprefix('a ').removeprefix('an ')}s"
     name = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(base, str(base))
-    return name + (" or null" if len(options) < len(typing.get_args(kind)) else "")
+    return name + (" or null" if optional else "")
 
 
 def _json_kind(value) -> str:
@@ -120,10 +121,9 @@ def resolve(cls, args: argparse.Namespace, section: str):
                              f"flags, with _ for -")
         hints = typing.get_type_hints(cls)
         for name, value in values.items():
-            expected = _json_type(hints[name])
             if not _is_json(value, hints[name]):
-                raise ValueError(f"{args.config}: the recipe's {section!r} setting {name!r} must be {expected}, got "
-                                 f"{json.dumps(value)}")
+                raise ValueError(f"{args.config}: the recipe's {section!r} setting {name!r} must be "
+                                 f"{_json_type(hints[name])}, got {json.dumps(value)}")
     values.update({k: v for k, v in vars(args).items() if k in names})
     missing = [f.name for f in dataclasses.fields(cls) if f.metadata.get("required") and values.get(f.name) is None]
     if missing:
