@@ -976,6 +976,13 @@ def test_training_settings_out_of_range_are_refused(flag, value, match):
         TrainConfig(model="m", data=["d"], output="o", **{flag: value})
 
 
+def test_distill_settings_that_would_be_ignored_or_nan_are_refused():
+    with pytest.raises(ValueError, match="--prompt-temperature must be >= 0"):
+        DistillConfig(model=None, prompts=[], output="o", prompt_temperature=math.nan)
+    with pytest.raises(ValueError, match="--server-model names the model a --server serves: add --server URL"):
+        DistillConfig(model=None, prompts=[], output="o", server_model="m")
+
+
 def test_tree_refuses_a_size_below_one(capsys):
     """--nodes 0 or -3 stored "tree": [] in the adapter, silently turning speculation off."""
     parser = argparse.ArgumentParser()

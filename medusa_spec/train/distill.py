@@ -80,8 +80,10 @@ class DistillConfig:
             raise ValueError(f"--self-prompts must be >= 0 (0: none), got {self.self_prompts}")
         if not 0 <= self.follow_ups <= 1:
             raise ValueError(f"--follow-ups is a share of the conversations, in [0, 1]; got {self.follow_ups}")
-        if self.prompt_temperature < 0:
+        if not self.prompt_temperature >= 0:  # nan too
             raise ValueError(f"--prompt-temperature must be >= 0 (0: greedy), got {self.prompt_temperature}")
+        if self.server_model is not None and self.server is None:
+            raise ValueError("--server-model names the model a --server serves: add --server URL, or drop it")
 
 
 def eos_ids(base_model, tokenizer) -> set[int]:
