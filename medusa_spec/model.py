@@ -22,7 +22,7 @@ from .lookup import with_lookup
 from .loop import StepTimer, Streamer, decode
 from .output import GenerateOutput
 from .propose import heads_proposer
-from .tree import MedusaTree, build_tree, default_tree, validate_choices
+from .tree import MedusaTree, build_tree, default_tree
 
 # The trees auto_tree() times by default (--tree auto, and tree=None once): 1, 2, 4, ..., 64 nodes after 64 tokens,
 # the fastest of 2 runs. For SmolLM2-135M on a 2-core CPU (a decoding step 67 ms) that took 2.1 s, where
@@ -124,10 +124,9 @@ class MedusaModel(nn.Module):
 
     def tree(self, tree: list[list[int]] | None = None, batch: int = 1) -> MedusaTree:
         """The MedusaTree generate() uses: `tree`'s rank paths, or for None those of default_choices(batch)."""
-        choices = self.default_choices(batch) if tree is None else tree
-        # A rank past the heads' guesses would fail inside topk at the first step.
-        validate_choices(choices, self.config.num_heads, top_k=self.config.draft_vocab_size or self.spec.vocab_size)
-        return build_tree(choices, self.config.num_heads)
+        # top_k: a rank past the heads' guesses would fail inside topk at the first step.
+        return build_tree(self.default_choices(batch) if tree is None else tree, self.config.num_heads,
+                          top_k=self.config.draft_vocab_size or self.spec.vocab_size)
 
     def default_choices(self, batch: int = 1) -> list[list[int]]:
         """The rank paths `tree=None` starts from, for a batch of `batch` rows. With rank accuracies in the adapter's

@@ -117,9 +117,9 @@ def validate_choices(choices: Sequence[Sequence[int]], num_heads: int | None = N
     return sorted(paths, key=lambda p: (len(p), p))
 
 
-def build_tree(choices: Sequence[Sequence[int]], num_heads: int | None = None) -> MedusaTree:
-    """Rank paths -> MedusaTree (on CPU; move it with .to(device) once)."""
-    paths = validate_choices(choices, num_heads)
+def build_tree(choices: Sequence[Sequence[int]], num_heads: int | None = None, top_k: int | None = None) -> MedusaTree:
+    """Rank paths -> MedusaTree (on CPU; move it with .to(device) once); `top_k`: how many guesses a head ranks."""
+    paths = validate_choices(choices, num_heads, top_k)
     index = {(): 0} | {path: i + 1 for i, path in enumerate(paths)}
     n = len(index)
     max_depth = max((len(p) for p in paths), default=0)
