@@ -41,10 +41,9 @@ def _call(url: str, payload: dict | None, timeout: float) -> dict:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as err:
-            body = err.read().decode(errors="replace")[:300]
+            failure = f"{url} answered HTTP {err.code}: {err.read().decode(errors='replace')[:300]}"
             if err.code != 429 and err.code < 500:  # the request itself is refused: sending it again won't help
-                raise ServerError(f"{url} answered HTTP {err.code}: {body}") from None
-            failure = f"{url} answered HTTP {err.code}: {body}"
+                raise ServerError(failure) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as err:
             failure = f"cannot reach {url} ({err!r}); start the server, or check --server (e.g. http://127.0.0.1:8000)"
         except json.JSONDecodeError:
