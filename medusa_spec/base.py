@@ -27,7 +27,15 @@ class BaseSpec:
     takes_logits_to_keep: bool
     name_or_path: str | None
     num_layers: int | None = None   # decoder layers: hidden_states has num_layers + 1 entries, the last one final
+    cache_arg: str = "cache"        # the forward's KV-cache argument (cache_argument)
     layer_width: int | None = None  # width of the decoder layers' hidden states
+
+
+def cache_argument(forward) -> str | None:
+    """The name `forward` takes its KV cache by: `cache` in recent transformers 5.x, `past_key_values` in earlier
+    5.x releases (5.17, say), which the pyproject's range admits; None when it takes neither."""
+    params = inspect.signature(forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 class UnsupportedModelError(ValueError):
@@ -51,7 +59,8 @@ def inspect_base_model(base_model: nn.Module) -> BaseSpec:
     if lm_head is None or getattr(lm_head, "weight", None) is None or lm_head.weight.dim() != 2:
         raise UnsupportedModelError(f"{name} has no output embedding (LM head); load it with AutoModelForCausalLM")
     params = inspect.signature(base_model.forward).parameters
-    missing = [p for p in ("attention_mask", "position_ids", "cache") if p not in params]
+    cache_arg = cache_argument(base_model.forward)
+    missing = [p for p in ("attention_mask", "position_ids") if p not in params] + ([] if cache_arg else ["cache"])
     if missing:
         raise UnsupportedModelError(
             f"{name}.forward takes no {', '.join(missing)}: tree verification needs explicit positions, a 4D mask "
@@ -82,6 +91,7 @@ def inspect_base_model(base_model: nn.Module) -> BaseSpec:
         name_or_path=getattr(config, "_name_or_path", None) or None,
         num_layers=getattr(text_config, "num_hidden_layers", None),
         layer_width=getattr(text_config, "hidden_size", None),
+        cache_arg=cache_arg,
     )
 
 

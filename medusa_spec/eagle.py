@@ -24,13 +24,15 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .base import BaseSpec
+from .base import BaseSpec, cache_argument
 from .context import unit_rms
 from .verify import model_mask
 
 # The draft layer's masks: full attention, boolean (it runs sdpa), whatever the base's layers use.
 DRAFT_LAYER_SPEC = BaseSpec(hidden_size=0, vocab_size=0, layer_types=("full_attention",), sliding_window=None,
                             bool_mask=True, takes_logits_to_keep=False, name_or_path=None)
+# The draft layer's cache argument in the installed transformers (its name changed within 5.x; see cache_argument).
+LAYER_CACHE_ARG = cache_argument(LlamaDecoderLayer.forward)
 
 
 def draft_layer_shape(text_config, hidden_size: int) -> dict[str, int]:
@@ -77,7 +79,7 @@ class DraftLayer(nn.Module):
         token after each), positions [B, n], mask [B, 1, n, past + n] bool -> outputs [B, n, H]; the slots' keys
         and values are appended to `cache`."""
         x = self.fc(torch.cat([unit_rms(states), unit_rms(next_embeds)], dim=-1))
-        x = self.layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+        x = self.layer(x, attention_mask=mask, position_ids=positions, use_cache=True, **{LAYER_CACHE_ARG: cache},
                        position_embeddings=self.rotary(x, positions))
         return self.norm(x)
 

@@ -42,7 +42,8 @@ CUSTOM_GENERATE = str(Path(__file__).with_name("hf_custom_generate"))
 SAMPLING_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 STOPPING_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 # Model inputs transformers prepares for its own loop; medusa_spec builds its own positions and cache.
-PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep")
+# generate's own model kwargs; the cache is "past_key_values" in transformers releases before the rename (5.17).
+PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep")
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 NO_CUSTOM = "or call base_model.generate without custom_generate"
 
@@ -121,7 +122,7 @@ def _check_supported(generation_config: GenerationConfig, logits_processor, stop
     if unknown:
         raise ValueError(f"custom_generate=medusa_spec takes input_ids and attention_mask, not {', '.join(unknown)}: "
                          f"drop them, {NO_CUSTOM}")
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("custom_generate=medusa_spec fills its own KV cache from the prompt: pass the whole text as "
                          "input_ids without past_key_values")

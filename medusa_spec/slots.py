@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .base import BaseSpec, model_device_dtype
+from .base import BaseSpec, cache_argument, model_device_dtype
 from .kv_cache import check_cache, keep_accepted
 from .verify import attention_masks, base_features, forward_block
 
@@ -118,8 +118,9 @@ def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention
             if not bool(mask.all()):
                 mask = attention_masks(spec, slot_valid[:, :-1], slot_pos[:, :-1], slot_pos[:, :-1], causal[:-1, :-1],
                                        model_device_dtype(model)[1])
-            out = body(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=slot_pos[:, :-1], cache=cache,
-                       use_cache=True, output_hidden_states=bool(feature_layers), return_dict=True)
+            out = body(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=slot_pos[:, :-1],
+                       use_cache=True, **{cache_argument(body.forward): cache},
+                       output_hidden_states=bool(feature_layers), return_dict=True)
             leading = [base_features(out.hidden_states, feature_layers) if feature_layers else out.last_hidden_state]
         logits, last = forward_block(model, spec, input_ids[:, -1:], slot_pos[:, -1:], causal[-1:, -1:], cache,
                                      slot_valid, slot_pos, feature_layers=feature_layers)

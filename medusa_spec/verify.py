@@ -73,8 +73,8 @@ def forward_block(base_model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor
     dtype = base_model.get_output_embeddings().weight.dtype
     mask = attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype)
     extra = {"logits_to_keep": 1} if last_only and spec.takes_logits_to_keep else {}
-    out = base_model(input_ids=input_ids, attention_mask=mask, position_ids=q_pos, cache=cache, use_cache=True,
-                     output_hidden_states=True, return_dict=True, **extra)
+    out = base_model(input_ids=input_ids, attention_mask=mask, position_ids=q_pos, use_cache=True,
+                     output_hidden_states=True, return_dict=True, **{spec.cache_arg: cache}, **extra)
     logits = out.logits[:, -1:] if last_only else out.logits
     return logits, base_features(out.hidden_states, feature_layers)
 

@@ -115,8 +115,8 @@ def time_step(model, lengths: list[int], chunk_rows: int, repeats: int = 5) -> d
         for _ in range(repeats + 1):
             cache.row, cache.start, cache.width = None, start, width
             begin = time.perf_counter()
-            runner(input_ids=ids, attention_mask=mask, position_ids=start[:, None], cache=cache, use_cache=True,
-                   row_blocks=blocks)
+            runner(input_ids=ids, attention_mask=mask, position_ids=start[:, None], use_cache=True,
+                   row_blocks=blocks, **{spec.cache_arg: cache})
             times.append(time.perf_counter() - begin)
         result[f"{name} ms"] = round(1000 * sorted(times[1:])[repeats // 2])
     shuffled = list(range(rows))

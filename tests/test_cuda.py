@@ -106,8 +106,8 @@ def test_no_columnwise_copy_is_made_on_cuda(monkeypatch):
     copied = []
     original = columnwise.columnwise_copy
 
-    def recording(module):
-        copy = original(module)
+    def recording(module, **kwargs):  # the packed weights (packs=) are passed on
+        copy = original(module, **kwargs)
         copied.append(copy is not module)
         return copy
 

@@ -259,8 +259,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 q_pos, kv_pos = columns[None, start:n], columns[None, :n]
                 mask = layer_masks(spec, kv_pos[:, None, :] <= q_pos[:, :, None], q_pos, kv_pos, dtype)
                 keep = {"logits_to_keep": 1} if spec.takes_logits_to_keep else {}  # the last token's logits only
-                out = runner(input_ids=ids, attention_mask=mask, position_ids=q_pos, cache=cache, use_cache=True,
-                             **keep)
+                out = runner(input_ids=ids, attention_mask=mask, position_ids=q_pos, use_cache=True,
+                             **{spec.cache_arg: cache}, **keep)
                 last_prefill.update(ids=request.input_ids, row=row, logits=out.logits[:, -1])
             held[row] = request.input_ids
             sampling[row] = request.sampling
@@ -326,8 +326,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             cache.row, cache.start, cache.width = None, start, width
             mask = layer_masks(spec, (columns[None, :width] <= start[:, None])[:, None, :], start[:, None],
                                columns[None, :width], dtype)
-            out = runner(input_ids=last[:n, None], attention_mask=mask, position_ids=start[:, None], cache=cache,
-                         use_cache=True, **blocks)
+            out = runner(input_ids=last[:n, None], attention_mask=mask, position_ids=start[:, None],
+                         use_cache=True, **{spec.cache_arg: cache}, **blocks)
             nxt = _pick(out.logits[:, -1], sampling[:n], generator)
             length[:n] += busy.long()
             last[:n] = torch.where(busy, nxt, last[:n])
