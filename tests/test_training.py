@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 import medusa_spec.train.server
 from medusa_spec import MedusaConfig, MedusaModel, grow_tree
 from medusa_spec.cli import main as cli_main
+from medusa_spec.train import data as data_module
 from medusa_spec.train import loop
 from medusa_spec.train.cli import add_train_commands
 from medusa_spec.train.config import TrainConfig
@@ -45,6 +46,7 @@ from medusa_spec.train.data import (
     read_prompts,
     require_chat_template,
     tokenize_conversation,
+    tokenize_conversations,
 )
 from medusa_spec.train.distill import SELF_PROMPTS, DistillConfig, answer, distill
 from medusa_spec.train.draft_vocab import answer_token_counts, frequent_tokens
@@ -311,6 +313,23 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     example = tokenize_conversation(tokenizer, messages)
     marked = [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m]
     assert marked == ["w4", "w5", "<|end|>", "w10", "<|end|>"]
+
+
+def test_conversations_tokenized_in_several_processes_come_back_whole_and_in_order(monkeypatch):
+    tokenizer = make_tokenizer()
+    conversations = [[ask(3 + i % 7), {"role": "assistant", "content": " ".join(f"w{4 + j}" for j in range(i % 5 + 1)),
+                      "cut": i % 3 == 0}] for i in range(50)]
+    serial = [tokenize_conversation(tokenizer, messages) for messages in conversations]
+    pools = []
+    real_pool = data_module.ProcessPoolExecutor
+    monkeypatch.setattr(data_module, "ProcessPoolExecutor", lambda *a, **k: pools.append(a) or real_pool(*a, **k))
+    monkeypatch.setattr(data_module, "PER_WORKER", 10)
+    assert tokenize_conversations(tokenizer, conversations, workers=3) == serial
+    assert pools == [(3,)]  # three processes, 17 + 17 + 16 conversations
+    assert tokenize_conversations(tokenizer, conversations[:25], workers=3) == serial[:25]  # 2 processes of 13 and 12
+    assert pools == [(3,), (2,)]
+    assert tokenize_conversations(tokenizer, conversations[:15], workers=3) == serial[:15]  # too few: no processes
+    assert pools == [(3,), (2,)]
 
 
 def test_an_answer_distill_stopped_trains_no_end_of_turn_marker():

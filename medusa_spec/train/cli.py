@@ -13,7 +13,7 @@ from ..base import inspect_base_model
 from ..flags import add_flag, check_device, default_device, fast_dtype, positive_int
 from ..model import MedusaModel
 from .config import TrainConfig
-from .data import make_rows, read_conversations, read_prompt_files, tokenize_conversation
+from .data import make_rows, read_conversations, read_prompt_files, tokenize_conversations
 from .distill import DistillConfig, distill
 from .evaluate import calibrate_tree, evaluate
 from .load import load_model_and_tokenizer
@@ -62,7 +62,7 @@ def measure(adapter: str, model: str, data: list[str], max_length: int, batch_si
     base_model, tokenizer = load_model_and_tokenizer(model, "float32", plain_text)
     medusa = MedusaModel.from_pretrained(base_model, adapter)  # applies a Medusa-2 LoRA adapter (lora/) too
     spec = inspect_base_model(medusa.base_model)
-    examples = [tokenize_conversation(tokenizer, messages) for path in data for messages in read_conversations(path)]
+    examples = tokenize_conversations(tokenizer, [messages for path in data for messages in read_conversations(path)])
     rows = make_rows(examples, max_length, pack=True)
     accelerator = Accelerator()
     module = TrainModule(medusa.base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep)

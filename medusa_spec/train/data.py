@@ -4,7 +4,10 @@ assistant-only loss mask, and padding or packing into rows of at most `max_lengt
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,6 +269,33 @@ def tokenize_conversation(tokenizer, messages: list[dict], keep_loops: bool = Fa
 
 
 # ---------------------------------------------------------------- rows and batches
+
+# Conversations each tokenizing process must get before more processes pay for their start.
+PER_WORKER = 1000
+
+
+def tokenize_conversations(tokenizer, conversations: list[list[dict]], keep_loops: bool = False,
+                           workers: int | None = None) -> list[Example]:
+    """tokenize_conversation over many conversations, in order, split over `workers` processes (default: the CPUs
+    this process may use, at most 16). Tokenizing is mostly Python, so one process uses one core: the 45,118
+    conversations of training/data took 60.6 s in one process and 36.6 s in two on a 2-core EPYC, before the first
+    training step."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(workers or min(cpus, 16), len(conversations) // PER_WORKER)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():  # Windows: one process
+        return [tokenize_conversation(tokenizer, messages, keep_loops) for messages in conversations]
+    size = -(-len(conversations) // workers)
+    chunks = [conversations[i: i + size] for i in range(0, len(conversations), size)]
+    # fork, not spawn: a spawned child imports the caller's __main__, which breaks a script without a main guard.
+    # The children run no torch op, and the tokenizers library turns its own threads off in a forked child.
+    with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("fork")) as pool:
+        parts = pool.map(_tokenize_chunk, [tokenizer] * len(chunks), chunks, [keep_loops] * len(chunks))
+        return [example for part in parts for example in part]
+
+
+def _tokenize_chunk(tokenizer, conversations: list[list[dict]], keep_loops: bool) -> list[Example]:
+    return [tokenize_conversation(tokenizer, messages, keep_loops) for messages in conversations]
+
 
 def make_rows(examples: list[Example], max_length: int, pack: bool) -> list[list[Example]]:
     """Group examples into rows of at most `max_length` tokens: one per row (padding) or, with

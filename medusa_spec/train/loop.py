@@ -30,7 +30,7 @@ from ..io import LORA_DIR, check_lora_folder
 from ..model import MedusaModel
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import Example, collate, make_rows, read_conversations, tokenize_conversation
+from .data import Example, collate, make_rows, read_conversations, tokenize_conversations
 from .draft_vocab import answer_token_counts, coverage, draft_index, frequent_tokens
 from .evaluate import evaluate
 from .hidden_cache import fingerprint, open_hidden_cache, reset_if_stale
@@ -298,7 +298,7 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig, rep
     train = [conversations[i] for i in train] + list(replayed)
     rows = []
     for part in (train, [conversations[i] for i in held_out]):
-        examples = [tokenize_conversation(tokenizer, messages, cfg.keep_loops) for messages in part]
+        examples = tokenize_conversations(tokenizer, part, cfg.keep_loops)
         rows.append(make_rows(examples, cfg.max_length, cfg.pack))
     return rows[0], rows[1], {conversation_key(messages) for messages in train}
 
