@@ -882,6 +882,21 @@ def test_heads_train_under_bf16_mixed_precision_with_shared_or_own_projections(b
         assert all((weights[f"lm_heads.{k}.weight"] - start).abs().max() > 1e-3 for k in range(3))
 
 
+def test_a_time_limit_stops_at_a_log_step_and_still_saves_the_evaluated_adapter(base_dir, conversations, tmp_path):
+    """--time-limit: past it the loop stops at the next --log-every step, and the run ends as a finished one does:
+    evaluated, saved, and its summary and log say how far it got."""
+    summary = train(small_run(base_dir, conversations, tmp_path / "run", max_steps=40, log_every=3,
+                              time_limit=1e-9))
+    assert summary["steps"] == 3 and summary["planned_steps"] == 40
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [3, 3] and "eval" in log[-1]
+    config = json.loads((tmp_path / "run" / "medusa_config.json").read_text())
+    assert config["metrics"]["train"]["steps"] == 3 and config["metrics"]["eval"]["top1"]
+    assert train(small_run(base_dir, conversations, tmp_path / "untimed", max_steps=7, log_every=3))["steps"] == 7
+    with pytest.raises(ValueError, match="--time-limit must be a number of minutes > 0"):
+        small_run(base_dir, conversations, tmp_path / "bad", time_limit=0.0)
+
+
 def test_medusa2_trains_lora_and_heads_saves_lora_beside_the_heads_and_loads_back(base_dir, conversations, tmp_path):
     warmup_only = train(small_run(base_dir, conversations, tmp_path / "warm", mode="medusa2", max_steps=2,
                                   heads_warmup_steps=2, lora_r=4))

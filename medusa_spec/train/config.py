@@ -62,6 +62,10 @@ class TrainConfig:
     grad_accum: int = option(1, "micro-batches per optimizer step")
     epochs: float = option(1.0, "passes over the training rows (unless --max-steps)")
     max_steps: int | None = option(None, "optimizer steps; overrides --epochs")
+    time_limit: float | None = option(None, "minutes the training loop may run: past them it stops at the next "
+                                      "--log-every step (every process at the same one), then evaluates and saves "
+                                      "the adapter as at the end, so a run with a deadline (a rented GPU) leaves its "
+                                      "heads; the learning rate follows the schedule of the whole run")
     lr: float = option(1e-3, "peak learning rate of the heads")
     base_lr: float = option(1e-4, "peak learning rate of the LoRA weights (medusa2)")
     weight_decay: float = option(0.0, "AdamW weight decay")
@@ -117,6 +121,8 @@ class TrainConfig:
         for name in ("lr", "base_lr"):  # 0 is allowed: heads carried over unchanged (--init-heads)
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0, got {getattr(self, name)}")
+        if self.time_limit is not None and not 0 < self.time_limit < math.inf:
+            raise ValueError(f"--time-limit must be a number of minutes > 0 (or left out), got {self.time_limit}")
         for name in ("head_decay", "epochs"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"--{name.replace('_', '-')} must be a number > 0, got {getattr(self, name)}")

@@ -155,6 +155,7 @@ def train(cfg: TrainConfig) -> dict:
     loss_sum = torch.zeros((), device=accelerator.device)
     head_ce_sum = torch.zeros(cfg.num_heads, device=accelerator.device)
     micro_batches, tokens, since, last_loss = 0, 0, time.perf_counter(), float("nan")
+    began, done, timed_out = since, start_step, False
     seen = answer_tokens_seen(train_rows, start_step * cfg.grad_accum, cfg.batch_size, accelerator.num_processes,
                               cfg.seed)
     for step in range(start_step, max_steps):
@@ -197,15 +198,23 @@ def train(cfg: TrainConfig) -> dict:
             loss_sum.zero_()
             head_ce_sum.zero_()
             micro_batches, tokens, since = 0, 0, time.perf_counter()
+            if cfg.time_limit is not None and done < max_steps:
+                # One process's clock decides for all: a process stopping alone would leave the others waiting.
+                late = torch.tensor(float(since - began > 60 * cfg.time_limit), device=accelerator.device)
+                timed_out = bool(accelerator.reduce(late, "sum").item())
         if cfg.eval_every and done % cfg.eval_every == 0 and done < max_steps:
             log({"step": done, "answer_tokens_seen": seen, "eval": run_eval()})
         if cfg.save_every and done % cfg.save_every == 0:
             save_checkpoint(accelerator, output_dir, done, config_dict, cfg.keep_checkpoints)
+        if timed_out:
+            accelerator.print(f"--time-limit {cfg.time_limit:g} minutes reached at step {done} of {max_steps}")
+            break
 
     # 4. Final evaluation; the adapter (heads, config with metrics, and the LoRA adapter for medusa2).
     metrics = run_eval()
-    log({"step": max_steps, "answer_tokens_seen": seen, "eval": metrics})
-    summary = {"mode": cfg.mode, "start_step": start_step, "steps": max_steps, "train_rows": len(train_rows),
+    log({"step": done, "answer_tokens_seen": seen, "eval": metrics})
+    summary = {"mode": cfg.mode, "start_step": start_step, "steps": done, "planned_steps": max_steps,
+               "train_rows": len(train_rows),
                "eval_rows": len(eval_rows), "answer_tokens_seen": seen,
                "answer_tokens_in_data": sum(sum(e.loss_mask) for row in train_rows for e in row),
                "replayed_conversations": len(replayed),
