@@ -55,15 +55,18 @@ def cache_dir() -> Path:
     return Path(root) / MODEL_NAME
 
 
-def prepare(path: Path | None = None) -> Path:
+def prepare(path: Path | None = None, gguf: Path | None = None) -> Path:
     """A transformers folder (fp32 safetensors + tokenizer) for the default model, converted from the GGUF
-    on first use (~20 s) and written atomically so an interrupted conversion is simply redone."""
+    on first use (~20 s) and written atomically so an interrupted conversion is simply redone. `gguf`: the
+    package's GGUF file copied elsewhere, for a machine that cannot install the package (a GPU with no network)."""
     path = Path(path) if path else cache_dir()
     if (path / "config.json").is_file():
         return path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = gguf_path()
+    if gguf is not None and not Path(gguf).is_file():
+        raise FileNotFoundError(f"{gguf}: no such file; give a copy of {GGUF_NAME} from the {DISTRIBUTION} package")
+    gguf = Path(gguf) if gguf is not None else gguf_path()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are dequantised to fp32: the saved model is a plain one, not a quantised one.

