@@ -1002,6 +1002,8 @@ def test_a_recipe_value_of_the_wrong_type_is_named(tmp_path, section, settings, 
     ("max_grad_norm", -1.0, "--max-grad-norm must be >= 0"), ("save_every", -1, "--save-every must be >= 0"),
     ("heads_loss_weight", math.nan, "--heads-loss-weight must be >= 0"),
     ("num_layers", 0, "--num-layers 0 leaves heads that share the LM head nothing to train"),
+    ("lora_r", 8, "--lora-r shape the LoRA on the base, which only --mode medusa2 trains"),
+    ("lora_target_modules", "q_proj", "--lora-target-modules shape the LoRA on the base"),
 ])
 def test_training_settings_out_of_range_are_refused(flag, value, match):
     """Each used to train: a nan learning rate saved all-nan heads, --max-steps -3 an untrained adapter, and
@@ -1015,6 +1017,9 @@ def test_distill_settings_that_would_be_ignored_or_nan_are_refused():
         DistillConfig(model=None, prompts=[], output="o", prompt_temperature=math.nan)
     with pytest.raises(ValueError, match="--server-model names the model a --server serves: add --server URL"):
         DistillConfig(model=None, prompts=[], output="o", server_model="m")
+    with pytest.raises(ValueError, match="--concurrency 4 sets the requests in flight to a --server"):
+        DistillConfig(model=None, prompts=[], output="o", concurrency=4)
+    assert DistillConfig(model=None, prompts=[], output="o", server="http://h:1", concurrency=4).concurrency == 4
 
 
 def test_tree_refuses_a_size_below_one(capsys):

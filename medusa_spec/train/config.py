@@ -121,6 +121,12 @@ class TrainConfig:
         for name in ("lr", "base_lr"):  # 0 is allowed: heads carried over unchanged (--init-heads)
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0, got {getattr(self, name)}")
+        lora = [f"--{name.replace('_', '-')}" for name in ("lora_r", "lora_alpha", "lora_dropout",
+                                                           "lora_target_modules")
+                if getattr(self, name) != type(self).__dataclass_fields__[name].default]
+        if lora and self.mode != "medusa2":
+            raise ValueError(f"{', '.join(lora)} shape the LoRA on the base, which only --mode medusa2 trains "
+                             f"(--mode {self.mode} keeps the base frozen): add --mode medusa2, or drop them")
         if self.time_limit is not None and not 0 < self.time_limit < math.inf:
             raise ValueError(f"--time-limit must be a number of minutes > 0 (or left out), got {self.time_limit}")
         for name in ("head_decay", "epochs"):

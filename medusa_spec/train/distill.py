@@ -84,6 +84,9 @@ class DistillConfig:
             raise ValueError(f"--prompt-temperature must be >= 0 (0: greedy), got {self.prompt_temperature}")
         if self.server_model is not None and self.server is None:
             raise ValueError("--server-model names the model a --server serves: add --server URL, or drop it")
+        if self.concurrency != type(self).__dataclass_fields__["concurrency"].default and self.server is None:
+            raise ValueError(f"--concurrency {self.concurrency} sets the requests in flight to a --server; local "
+                             f"distillation runs --batch-size rows at once: add --server URL, or drop it")
 
 
 def eos_ids(base_model, tokenizer) -> set[int]:
