@@ -226,7 +226,7 @@ class DraftModelProposer(Proposer):
 
 
 def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
+                        attention_mask: torch.Tensor | None = None, max_new_tokens: int | None = None,
                         do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                         top_p: float | None = None,
                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,

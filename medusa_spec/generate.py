@@ -31,9 +31,9 @@ __all__ = ["generate", "generate_with_lookup", "GenerateOutput", "GenerationStat
 
 
 def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tree: MedusaTree, input_ids: torch.Tensor,
-             attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128, sampling: Sampling = Sampling(),
-             eos_token_id: list[int] | None = None, pad_token_id: int | None = None, streamer=None,
-             lookup_tokens: int = 0, documents=None) -> GenerateOutput:
+             attention_mask: torch.Tensor | None = None, max_new_tokens: int | None = None,
+             sampling: Sampling = Sampling(), eos_token_id: list[int] | None = None, pad_token_id: int | None = None,
+             streamer=None, lookup_tokens: int = 0, documents=None) -> GenerateOutput:
     """Decode with `heads` on `tree`. `lookup_tokens` > 0 adds a prompt-lookup chain of that length to the tree's
     root (candidates copied from the prompt, the generated text and `documents`, lists of token ids); `heads` may
     be None when `tree` is root-only; they run in eval mode and get their own mode back on return."""
@@ -43,8 +43,8 @@ def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tre
 
 
 def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                         max_new_tokens: int = 128, do_sample: bool | None = None, temperature: float | None = None,
-                         top_k: int | None = None, top_p: float | None = None,
+                         max_new_tokens: int | None = None, do_sample: bool | None = None,
+                         temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                          eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                          lookup_tokens: int = 10, documents=None, tree=None,
                          streamer=None) -> GenerateOutput:

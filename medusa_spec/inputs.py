@@ -138,10 +138,18 @@ def padding_mask(input_ids: torch.Tensor, eos_token_id: list[int], pad_token_id:
     return input_ids.ne(pad_token_id)
 
 
+# New tokens at most when neither the call nor the model's generation_config says.
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
 def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer, eos_token_id: list[int],
                    pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Checked inputs on the model's device: (input_ids, attention_mask as bool, max_new_tokens). Without an
-    attention_mask, padding is inferred from pad_token_id as transformers' generate infers it."""
+    attention_mask, padding is inferred from pad_token_id as transformers' generate infers it. max_new_tokens None:
+    the model's generation_config.max_new_tokens, as transformers' generate reads it, else DEFAULT_MAX_NEW_TOKENS."""
+    if max_new_tokens is None:
+        configured = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
+        max_new_tokens = DEFAULT_MAX_NEW_TOKENS if configured is None else configured
     max_new_tokens = _check_inputs(input_ids, attention_mask, max_new_tokens, streamer,
                                    model.get_input_embeddings().num_embeddings)
     source = "attention_mask"

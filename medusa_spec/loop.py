@@ -98,7 +98,7 @@ def eval_mode(module: nn.Module | None) -> Iterator[None]:
 
 
 def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids: torch.Tensor,
-           attention_mask: torch.Tensor | None, max_new_tokens: int, sampling: Sampling, eos_token_id: list[int],
+           attention_mask: torch.Tensor | None, max_new_tokens: int | None, sampling: Sampling, eos_token_id: list[int],
            pad_token_id: int | None, streamer: Streamer | None = None,
            timer: StepTimer | None = None, packs: PackedWeights | None = None) -> GenerateOutput:
     """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate.

@@ -171,13 +171,15 @@ class MedusaModel(nn.Module):
         rank_accuracy = self.config.metrics.get("eval", {}).get("rank_accuracy")
         return rank_accuracy[: self.config.num_heads] if rank_accuracy else None
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128,
-                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, tree: list[list[int]] | None = None, streamer: Streamer | None = None,
                  lookup_tokens: int = 0, documents: list[list[int] | torch.Tensor] | None = None,
                  timer: StepTimer | None = None) -> GenerateOutput:
         """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
+
+        max_new_tokens: None takes the base model's generation_config.max_new_tokens, else 128.
 
         do_sample, temperature, top_k, top_p: as in transformers' generate, each one not given comes from the
         base model's generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0

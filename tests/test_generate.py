@@ -405,3 +405,16 @@ def test_greedy_identity_on_a_model_whose_forward_takes_past_key_values(heads):
     assert torch.equal(out.sequences, expected)
     if heads == "oracle":
         assert out.stats.tokens_per_step > 2.0, out.stats
+
+
+def test_max_new_tokens_left_out_follows_the_models_generation_config():
+    """As transformers' generate reads it: the model's generation_config.max_new_tokens, else 128; a value passed
+    wins. MedusaModel.generate and generate_with_draft used to stop at 128 whatever the model's config said."""
+    model = tiny_model("llama")
+    ids = prompt()
+    model.generation_config.max_new_tokens = 9
+    assert medusa(model).generate(ids, eos_token_id=[], tree=TREE).stats.new_tokens == [9]
+    assert medusa(model).generate(ids, max_new_tokens=4, eos_token_id=[], tree=TREE).stats.new_tokens == [4]
+    assert generate_with_draft(model, tiny_model("llama", seed=1), ids, eos_token_id=[]).stats.new_tokens == [9]
+    model.generation_config.max_new_tokens = None
+    assert medusa(model).generate(ids, eos_token_id=[], tree=[]).stats.new_tokens == [128]
