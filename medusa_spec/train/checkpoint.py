@@ -17,6 +17,7 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 
 CHECKPOINTS, LATEST, STATE = "checkpoints", "latest", "trainer_state.json"
+DATA_FINGERPRINT = "data_fingerprint"  # beside the settings in a checkpoint's config: loop.train's hash of the rows
 # Settings that may differ on --resume without changing the weights reached (eval_ranks was top_k in checkpoints
 # written before its rename: what evaluation counts, not what trains; output, output_dir before its rename, is the
 # folder the checkpoint is read from, wherever it was moved).
@@ -74,6 +75,13 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 def load_checkpoint(accelerator, path: Path, config: dict) -> int:
     """Restore the state saved in `path` (refusing a different config); returns its step."""
     state = json.loads((path / STATE).read_text())
+    saved = state["config"].get(DATA_FINGERPRINT)
+    if saved is not None and saved != config.get(DATA_FINGERPRINT):  # checkpoints from before it have none
+        raise ValueError(f"--resume: the training rows differ from those of {path} (the data folder has changed "
+                         f"since, e.g. distilled further, or the tokenizer has): the held-out split and the rows each "
+                         f"step reads would shift; resume on the data as it was, or train into a new --output")
+    config = {k: v for k, v in config.items() if k != DATA_FINGERPRINT}
+    state["config"].pop(DATA_FINGERPRINT, None)
     changed = sorted(k for k in set(config) | set(state["config"])
                      if k not in RESUMABLE_CHANGES and config.get(k) != state["config"].get(k))
     if changed:

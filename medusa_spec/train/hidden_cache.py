@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,13 +39,14 @@ class HiddenCache:
         self.filled[index] = True  # after the states: a kill in between only loses this batch
 
 
-def fingerprint(rows: list[list[Example]], model: str, dtype: torch.dtype) -> str:
-    """Changes whenever the cached values would: other rows, another model, another dtype."""
-    digest = hashlib.sha256(f"{Path(model).resolve()}|{dtype}".encode())
+def fingerprint(rows: list[list[Example] | None], *keys: object) -> str:
+    """A hash of the rows' tokens and `keys`; for the hidden-state cache (keys: the model's path and the dtype) it
+    changes whenever the cached values would. A None row separates groups."""
+    digest = hashlib.sha256("|".join(map(str, keys)).encode())
     for row in rows:
-        for example in row:
-            digest.update(torch.tensor(example.input_ids, dtype=torch.int64).numpy().tobytes())
-        digest.update(b"|")
+        for example in row or ():
+            digest.update(array("q", example.input_ids).tobytes())
+        digest.update(b"|" if row is not None else b"/")
     return digest.hexdigest()
 
 

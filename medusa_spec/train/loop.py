@@ -28,7 +28,13 @@ from ..eagle import draft_layer_shape
 from ..flags import check_output_folder
 from ..io import LORA_DIR, check_lora_folder
 from ..model import MedusaModel
-from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    DATA_FINGERPRINT,
+    keep_trainable_weights_only,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import TrainConfig
 from .data import Example, collate, make_rows, read_conversations, tokenize_conversations
 from .draft_vocab import answer_token_counts, coverage, draft_index, frequent_tokens
@@ -125,14 +131,17 @@ def train(cfg: TrainConfig) -> dict:
     module = TrainModule(base_model, heads, spec.bool_mask, spec.takes_logits_to_keep)
     module, optimizer = accelerator.prepare(module, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand: once per optimizer step
-    config_dict = dataclasses.asdict(cfg)
+    # The rows themselves, not only the flags that chose them: a data folder distilled further since, or another
+    # tokenizer, would shift the held-out split and the rows each step reads under a resumed run.
+    config_dict = {**dataclasses.asdict(cfg), DATA_FINGERPRINT: fingerprint([*train_rows, None, *eval_rows])}
     start_step = load_checkpoint(accelerator, checkpoint, config_dict) if checkpoint is not None else 0
 
     cache = None
     if cfg.cache_hidden:
         shape = (len(train_rows), cfg.max_length, spec.hidden_size * (1 + len(cfg.feature_layers)))
         if accelerator.is_main_process:
-            reset_if_stale(output_dir / "hidden_cache", fingerprint(train_rows, cfg.model, dtype), shape, dtype)
+            key = fingerprint(train_rows, Path(cfg.model).resolve(), dtype)
+            reset_if_stale(output_dir / "hidden_cache", key, shape, dtype)
         accelerator.wait_for_everyone()
         cache = open_hidden_cache(output_dir / "hidden_cache", shape, dtype)
 
