@@ -73,7 +73,7 @@ def test_max_conversations_trains_on_nested_samples_with_the_same_held_out_set(b
     def rows(**overrides):
         cfg = small_run(base_dir, conversations, "unused", pack=False, max_length=512, keep_loops=True,
                         **overrides)  # a row per conversation; counting words is all loops
-        train_rows, eval_rows, _ = build_rows(tokenizer, messages, cfg)
+        train_rows, eval_rows = build_rows(tokenizer, messages, cfg)
         return [tuple(row[0].input_ids) for row in train_rows], [tuple(row[0].input_ids) for row in eval_rows]
 
     everything, held_out = rows()
@@ -121,8 +121,9 @@ def test_scored_adapters_are_placed_at_the_answer_tokens_their_runs_learned_from
                              exclude=[str(tmp_path / "first" / loop.TRAINED_ON)]))
     counted = scaling.learned_answer_tokens([tmp_path / "first", tmp_path / "second"], [str(conversations)],
                                             tokenizer, max_length=16)  # shorter than a conversation: cut
-    assert counted == [first["answer_tokens_in_data"],
-                       first["answer_tokens_in_data"] + second["answer_tokens_in_data"]]
+    # Two steps of 2 read 4 of the 6 rows: the record lists the conversations read, not the whole sample.
+    assert first["answer_tokens_seen"] < first["answer_tokens_in_data"]
+    assert counted == [first["answer_tokens_seen"], first["answer_tokens_seen"] + second["answer_tokens_seen"]]
 
     accuracy = [[0.5, 0.2], [0.3, 0.1], [0.2, 0.1]]
     lines = [{"heads": str(tmp_path / run), "text": "held-out", "top1": [0.5, 0.3, 0.2], "rank_accuracy": accuracy}

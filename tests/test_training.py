@@ -759,10 +759,10 @@ def test_exclude_trains_heads_on_conversations_their_record_does_not_list(base_d
     messages = read_conversations(conversations)  # 24, each its own prompt
     keys = [loop.conversation_key(m) for m in messages]
     first = tmp_path / "first"
-    train(small_run(base_dir, conversations, first, max_conversations=6, batch_size=2, max_steps=2))
+    train(small_run(base_dir, conversations, first, max_conversations=6, batch_size=2, epochs=1, pack=False))
     record = first / loop.TRAINED_ON
     listed = loop.read_trained_on(record)
-    assert len(listed) == 6 and listed <= set(keys)
+    assert len(listed) == 6 and listed <= set(keys)  # one pass over 6 rows of one conversation each: all read
 
     # The conversations left: none listed, nor any that begins as a listed one (a follow-up turn added).
     follow_up = messages[keys.index(min(listed))] + [{"role": "user", "content": "again"},
@@ -770,19 +770,21 @@ def test_exclude_trains_heads_on_conversations_their_record_does_not_list(base_d
     left = loop.without_excluded([*messages, follow_up], [str(record)])
     assert len(left) == 18 and not {loop.conversation_key(m) for m in left} & listed
 
-    # Trained on from those heads, on the rest: 4 held out, 14 trained on; the record lists both runs' samples.
+    # Trained on from those heads, on the rest: 4 held out, 14 in the sample, of which 2 steps of 4 rows read 8;
+    # the record lists both runs' conversations read.
     second = tmp_path / "second"
     summary = train(small_run(base_dir, conversations, second, init_heads=str(first), exclude=[str(record)],
-                              eval_examples=4, max_steps=2))
+                              eval_examples=4, max_steps=2, pack=False))
     both = loop.read_trained_on(second / loop.TRAINED_ON)
-    assert summary["eval_rows"] > 0 and listed <= both and len(both) == 6 + 14
+    assert summary["eval_rows"] > 0 and listed <= both and len(both) == 6 + 8
 
     (tmp_path / "bad.txt").write_text("# keys\nnot-a-key\n")
     for files, error in [([tmp_path / "none.txt"], "no such file"), ([tmp_path / "bad.txt"], "bad.txt:2: 'not-a-key'"),
-                         ([record, second / loop.TRAINED_ON], "--eval-examples 8 leaves nothing to train on: the data "
-                                                               "holds 4 conversations not excluded")]:
+                         ([record, second / loop.TRAINED_ON], "--eval-examples 10 leaves nothing to train on: the data "
+                                                               "holds 10 conversations not excluded")]:
         with pytest.raises(ValueError, match=error):
-            train(small_run(base_dir, conversations, tmp_path / "refused", exclude=[str(f) for f in files]))
+            train(small_run(base_dir, conversations, tmp_path / "refused", exclude=[str(f) for f in files],
+                            eval_examples=10))
     (tmp_path / "all.txt").write_text("".join(f"{k}\n" for k in keys))
     with pytest.raises(ValueError, match="leaves none of the 24 conversations"):
         train(small_run(base_dir, conversations, tmp_path / "refused", exclude=[str(tmp_path / "all.txt")]))

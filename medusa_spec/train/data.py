@@ -39,6 +39,7 @@ class Prompt:
 class Example:
     input_ids: list[int]
     loss_mask: list[bool]   # True on assistant tokens: the only training targets
+    source: str | None = None  # the conversation's key (loop.conversation_key): which ones a run's steps read
 
 
 # ---------------------------------------------------------------- prompt files
@@ -304,7 +305,7 @@ def make_rows(examples: list[Example], max_length: int, pack: bool) -> list[list
     rows: list[list[Example]] = []
     used = max_length  # forces a new row for the first example
     for example in examples:
-        example = Example(example.input_ids[:max_length], example.loss_mask[:max_length])
+        example = Example(example.input_ids[:max_length], example.loss_mask[:max_length], example.source)
         if not any(example.loss_mask):
             continue
         if pack and used + len(example.input_ids) <= max_length:

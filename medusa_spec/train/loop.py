@@ -79,11 +79,12 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.eval_ranks > guesses:
         raise ValueError(f"--eval-ranks {cfg.eval_ranks} asks for more ranks than the heads have guesses ({guesses}: "
                          f"{'--draft-vocab' if cfg.draft_vocab else 'the vocabulary'}); use at most {guesses}")
-    train_rows, eval_rows, trained_on = build_rows(tokenizer, conversations, cfg, replayed)
-    # What the heads will have learned from: this run's sample plus what the initial heads had (read now: a bad
-    # record fails before training, not after).
+    train_rows, eval_rows = build_rows(tokenizer, conversations, cfg, replayed)
+    # What the initial heads learned from, to list beside this run's (read now: a bad record fails before training,
+    # not after).
+    learned_before = set()
     if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
-        trained_on |= read_trained_on(Path(cfg.init_heads) / TRAINED_ON, "--init-heads")
+        learned_before = read_trained_on(Path(cfg.init_heads) / TRAINED_ON, "--init-heads")
     output_dir.mkdir(parents=True, exist_ok=True)
     per_epoch = len(train_rows) // (cfg.batch_size * accelerator.num_processes)
     if per_epoch == 0:
@@ -231,7 +232,10 @@ def train(cfg: TrainConfig) -> dict:
     if accelerator.is_main_process:
         medusa.config = dataclasses.replace(medusa.config, metrics={"eval": metrics, "train": summary})
         medusa.save_heads(output_dir, lora=base_model if medusa2 else None)  # Medusa-2: the peft model -> lora/
-        write_trained_on(output_dir / TRAINED_ON, trained_on)
+        # The conversations of the rows the steps read: a run stopped short of its sample (--max-steps, --time-limit)
+        # lists only those, so a later --exclude of this file leaves the rest to learn from.
+        read = rows_read(done * cfg.grad_accum, len(train_rows), cfg.batch_size, accelerator.num_processes, cfg.seed)
+        write_trained_on(output_dir / TRAINED_ON, learned_before | {e.source for i in read for e in train_rows[i]})
     accelerator.wait_for_everyone()
     accelerator.print(f"saved the adapter to {output_dir}")
     return {**summary, "eval": metrics}
@@ -302,8 +306,8 @@ def _check_backend(accelerator, batch_size: int) -> None:
 
 
 def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig, replayed: list[list[dict]] = ()):
-    """Conversations -> (train rows, eval rows, the training sample's conversation keys); the held-out
-    conversations are a seeded sample. `replayed` conversations train beside the sample (the rows are shuffled
+    """Conversations -> (train rows, eval rows), each train example knowing its conversation's key (source); the
+    held-out conversations are a seeded sample. `replayed` conversations train beside the sample (the rows are shuffled
     each epoch), never held out."""
     if cfg.eval_examples >= len(conversations):
         raise ValueError(f"--eval-examples {cfg.eval_examples} leaves nothing to train on: the data holds "
@@ -314,11 +318,10 @@ def build_rows(tokenizer, conversations: list[list[dict]], cfg: TrainConfig, rep
                          f"every conversation")
     train, held_out = split_held_out(conversations, cfg.eval_examples, cfg.seed, cfg.max_conversations)
     train = [conversations[i] for i in train] + list(replayed)
-    rows = []
-    for part in (train, [conversations[i] for i in held_out]):
-        examples = tokenize_conversations(tokenizer, part, cfg.keep_loops)
-        rows.append(make_rows(examples, cfg.max_length, cfg.pack))
-    return rows[0], rows[1], {conversation_key(messages) for messages in train}
+    examples = tokenize_conversations(tokenizer, train, cfg.keep_loops)
+    examples = [dataclasses.replace(e, source=conversation_key(m)) for e, m in zip(examples, train)]
+    evaluated = tokenize_conversations(tokenizer, [conversations[i] for i in held_out], cfg.keep_loops)
+    return make_rows(examples, cfg.max_length, cfg.pack), make_rows(evaluated, cfg.max_length, cfg.pack)
 
 
 # ---------------------------------------------------------------- which conversations a run learned from
@@ -440,6 +443,17 @@ def batch_indices(micro_step: int, num_rows: int, batch_size: int, num_processes
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     start = (i * num_processes + process_index) * batch_size
     return order[start: start + batch_size].tolist()
+
+
+def rows_read(micro_steps: int, num_rows: int, batch_size: int, num_processes: int, seed: int) -> set[int]:
+    """The rows micro-batches 0 .. micro_steps - 1 of every process read (batch_indices), an epoch at a time."""
+    per_epoch = num_rows // (batch_size * num_processes)
+    read = set()
+    for epoch in range(-(-micro_steps // per_epoch)):
+        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        steps = min(per_epoch, micro_steps - epoch * per_epoch)
+        read.update(order[: steps * num_processes * batch_size].tolist())
+    return read
 
 
 def answer_tokens_seen(rows: list[list[Example]], micro_steps: int, batch_size: int, num_processes: int, seed: int,
