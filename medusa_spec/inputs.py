@@ -146,7 +146,8 @@ def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, 
                    pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Checked inputs on the model's device: (input_ids, attention_mask as bool, max_new_tokens). Without an
     attention_mask, padding is inferred from pad_token_id as transformers' generate infers it. max_new_tokens None:
-    the model's generation_config.max_new_tokens, as transformers' generate reads it, else DEFAULT_MAX_NEW_TOKENS."""
+    the model's generation_config.max_new_tokens, as transformers' generate reads it, else DEFAULT_MAX_NEW_TOKENS
+    (where transformers would fall back to generation_config.max_length, 20 unless set)."""
     if max_new_tokens is None:
         configured = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS if configured is None else configured

@@ -684,6 +684,8 @@ def test_resume_refuses_data_that_changed_since_the_checkpoint(base_dir, convers
     data.write_text(data.read_text() + first.replace("w", "x") + "\n")  # one conversation more
     with pytest.raises(ValueError, match="--resume: the training rows differ from those of .*step-00000004"):
         train(small_run(base_dir, data, tmp_path / "run", resume=True, **settings))
+    with pytest.raises(ValueError, match="settings differ .*max_length: 64 -> 32"):  # a flag is named, not the data
+        train(small_run(base_dir, data, tmp_path / "run", resume=True, **settings, max_length=32))
     data.write_text(conversations.read_text())  # the data as it was: resumes
     assert train(small_run(base_dir, data, tmp_path / "run", resume=True, **settings))["start_step"] == 4
 
@@ -904,16 +906,19 @@ def test_heads_train_under_bf16_mixed_precision_with_shared_or_own_projections(b
 
 
 def test_a_time_limit_stops_at_a_log_step_and_still_saves_the_evaluated_adapter(base_dir, conversations, tmp_path):
-    """--time-limit: past it the loop stops at the next --log-every step, and the run ends as a finished one does:
-    evaluated, saved, and its summary and log say how far it got."""
-    summary = train(small_run(base_dir, conversations, tmp_path / "run", max_steps=40, log_every=3,
-                              time_limit=1e-9))
-    assert summary["steps"] == 3 and summary["planned_steps"] == 40
+    """--time-limit: past it the loop stops after the step under way (whatever --log-every is), checkpoints, and the
+    run ends as a finished one does: evaluated, saved, and its summary and log say how far it got. It resumes from
+    there, under another limit or none."""
+    settings = dict(max_steps=6, log_every=50, eval_every=1, save_every=4)
+    summary = train(small_run(base_dir, conversations, tmp_path / "run", time_limit=1e-9, **settings))
+    assert summary["steps"] == 1 and summary["planned_steps"] == 6
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [3, 3] and "eval" in log[-1]
+    assert [r["step"] for r in log] == [1, 1] and "loss" in log[0] and "eval" in log[1]  # evaluated once
     config = json.loads((tmp_path / "run" / "medusa_config.json").read_text())
-    assert config["metrics"]["train"]["steps"] == 3 and config["metrics"]["eval"]["top1"]
-    assert train(small_run(base_dir, conversations, tmp_path / "untimed", max_steps=7, log_every=3))["steps"] == 7
+    assert config["metrics"]["train"]["steps"] == 1 and config["metrics"]["eval"]["top1"]
+    assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()
+    resumed = train(small_run(base_dir, conversations, tmp_path / "run", resume=True, **settings))
+    assert resumed["start_step"] == 1 and resumed["steps"] == 6
     with pytest.raises(ValueError, match="--time-limit must be a number of minutes > 0"):
         small_run(base_dir, conversations, tmp_path / "bad", time_limit=0.0)
 

@@ -22,7 +22,7 @@ DATA_FINGERPRINT = "data_fingerprint"  # beside the settings in a checkpoint's c
 # written before its rename: what evaluation counts, not what trains; output, output_dir before its rename, is the
 # folder the checkpoint is read from, wherever it was moved).
 RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "log_every", "eval_every", "eval_ranks", "top_k",
-                     "output", "output_dir"}
+                     "output", "output_dir", "time_limit"}
 
 
 def keep_trainable_weights_only(accelerator) -> None:
@@ -75,19 +75,19 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 def load_checkpoint(accelerator, path: Path, config: dict) -> int:
     """Restore the state saved in `path` (refusing a different config); returns its step."""
     state = json.loads((path / STATE).read_text())
-    saved = state["config"].get(DATA_FINGERPRINT)
-    if saved is not None and saved != config.get(DATA_FINGERPRINT):  # checkpoints from before it have none
-        raise ValueError(f"--resume: the training rows differ from those of {path} (the data folder has changed "
-                         f"since, e.g. distilled further, or the tokenizer has): the held-out split and the rows each "
-                         f"step reads would shift; resume on the data as it was, or train into a new --output")
+    saved = state["config"].pop(DATA_FINGERPRINT, None)  # checkpoints from before it have none
+    rows = config.get(DATA_FINGERPRINT)
     config = {k: v for k, v in config.items() if k != DATA_FINGERPRINT}
-    state["config"].pop(DATA_FINGERPRINT, None)
     changed = sorted(k for k in set(config) | set(state["config"])
                      if k not in RESUMABLE_CHANGES and config.get(k) != state["config"].get(k))
-    if changed:
+    if changed:  # first: a setting that changes the rows is named, not blamed on the data
         diff = ", ".join(f"{k}: {state['config'].get(k)!r} -> {config.get(k)!r}" for k in changed)
         raise ValueError(f"--resume: the settings differ from those of {path} ({diff}); resume with the same "
                          f"settings, or train into a new --output")
+    if saved is not None and saved != rows:
+        raise ValueError(f"--resume: the training rows differ from those of {path} (the data folder has changed "
+                         f"since, e.g. distilled further, or the tokenizer has): the held-out split and the rows each "
+                         f"step reads would shift; resume on the data as it was, or train into a new --output")
     # Plain/DDP checkpoints hold the trainable weights only (see keep_trainable_weights_only).
     strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
     accelerator.load_state(str(path), **strict)

@@ -62,10 +62,11 @@ class TrainConfig:
     grad_accum: int = option(1, "micro-batches per optimizer step")
     epochs: float = option(1.0, "passes over the training rows (unless --max-steps)")
     max_steps: int | None = option(None, "optimizer steps; overrides --epochs")
-    time_limit: float | None = option(None, "minutes the training loop may run: past them it stops at the next "
-                                      "--log-every step (every process at the same one), then evaluates and saves "
-                                      "the adapter as at the end, so a run with a deadline (a rented GPU) leaves its "
-                                      "heads; the learning rate follows the schedule of the whole run")
+    time_limit: float | None = option(None, "minutes the training loop may run: past them it stops after the step "
+                                      "under way (every process after the same one), checkpoints (with "
+                                      "--save-every), then evaluates and saves the adapter as at the end, so a run "
+                                      "with a deadline (a rented GPU) leaves its heads; the learning rate follows "
+                                      "the schedule of the whole run")
     lr: float = option(1e-3, "peak learning rate of the heads")
     base_lr: float = option(1e-4, "peak learning rate of the LoRA weights (medusa2)")
     weight_decay: float = option(0.0, "AdamW weight decay")

@@ -278,10 +278,11 @@ PER_WORKER = 1000
 def tokenize_conversations(tokenizer, conversations: list[list[dict]], keep_loops: bool = False,
                            workers: int | None = None) -> list[Example]:
     """tokenize_conversation over many conversations, in order, split over `workers` processes (default: the CPUs
-    this process may use, at most 16). Tokenizing is mostly Python, so one process uses one core: the 45,118
-    conversations of training/data took 60.6 s in one process and 36.6 s in two on a 2-core EPYC, before the first
-    training step."""
+    this process may use, shared among the machine's training processes, at most 16). Tokenizing is mostly Python,
+    so one process uses one core: the 45,118 conversations of training/data took 60.6 s in one process and 36.6 s
+    in two on a 2-core EPYC, before the first training step."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # accelerate / torchrun: each local process tokenizes
     workers = min(workers or min(cpus, 16), len(conversations) // PER_WORKER)
     if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():  # Windows: one process
         return [tokenize_conversation(tokenizer, messages, keep_loops) for messages in conversations]

@@ -199,7 +199,12 @@ def train(cfg: TrainConfig) -> dict:
         scheduler.step()
 
         done = step + 1
-        if done % cfg.log_every == 0 or done == max_steps:
+        if cfg.time_limit is not None and done < max_steps:
+            # Every step, every process: one process's clock decides for all, since a process stopping alone would
+            # leave the others waiting.
+            late = torch.tensor(float(time.perf_counter() - began > 60 * cfg.time_limit), device=accelerator.device)
+            timed_out = bool(accelerator.reduce(late, "sum").item())
+        if done % cfg.log_every == 0 or done == max_steps or timed_out:
             last_loss = accelerator.reduce(loss_sum, "mean").item() / micro_batches
             log({"step": done, "loss": round(last_loss, 4),
                  "head_ce": [round(x / micro_batches, 3) for x in accelerator.reduce(head_ce_sum, "mean").tolist()],
@@ -208,13 +213,9 @@ def train(cfg: TrainConfig) -> dict:
             loss_sum.zero_()
             head_ce_sum.zero_()
             micro_batches, tokens, since = 0, 0, time.perf_counter()
-            if cfg.time_limit is not None and done < max_steps:
-                # One process's clock decides for all: a process stopping alone would leave the others waiting.
-                late = torch.tensor(float(since - began > 60 * cfg.time_limit), device=accelerator.device)
-                timed_out = bool(accelerator.reduce(late, "sum").item())
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < max_steps:
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < max_steps and not timed_out:
             log({"step": done, "answer_tokens_seen": seen, "eval": run_eval()})
-        if cfg.save_every and done % cfg.save_every == 0:
+        if cfg.save_every and (done % cfg.save_every == 0 or timed_out):  # a stopped run can be resumed from here
             save_checkpoint(accelerator, output_dir, done, config_dict, cfg.keep_checkpoints)
         if timed_out:
             accelerator.print(f"--time-limit {cfg.time_limit:g} minutes reached at step {done} of {max_steps}")
