@@ -670,6 +670,21 @@ def test_resume_after_a_kill_reaches_the_weights_of_an_uninterrupted_run(mode, b
         assert all(torch.equal(straight[k], killed[k]) for k in straight)
 
 
+def test_a_resumed_run_logs_each_step_once(base_dir, conversations, tmp_path, monkeypatch):
+    """The killed run logged step 3 after its checkpoint of step 2; the resumed run logs it again, and the log kept
+    both (a scaling plot drew the step twice)."""
+    settings = dict(max_steps=6, save_every=2, log_every=1, eval_examples=4)
+    with monkeypatch.context() as patch:
+        kill_after(patch, 3)  # dies in step 4: steps 1-3 logged, the checkpoint is step 2's
+        with pytest.raises(Killed):
+            train(small_run(base_dir, conversations, tmp_path / "run", **settings))
+    with open(tmp_path / "run" / "train_log.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # and a line the kill cut short
+    train(small_run(base_dir, conversations, tmp_path / "run", resume=True, **settings))
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6] and "eval" in log[-1]
+
+
 def test_resume_refuses_data_that_changed_since_the_checkpoint(base_dir, conversations, tmp_path, monkeypatch):
     """A data folder distilled further between the kill and --resume: the held-out split and the rows of each step
     shift, so the resumed run would train on other rows than its first part and evaluate on some it learned."""
@@ -878,6 +893,11 @@ def test_cached_hidden_states_run_the_base_once_per_row_and_train_the_same(base_
     assert summaries[True]["calls"] == per_epoch + eval_batches
     plain, cached = (load_file(tmp_path / d / "medusa_heads.safetensors") for d in ("False", "True"))
     assert all(torch.allclose(plain[k], cached[k], atol=1e-6) for k in plain)
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "hidden_cache").write_text("notes")  # a file where the cache would go: named, kept
+    with pytest.raises(ValueError, match="hidden_cache, which is a file here; move it away"):
+        train(small_run(base_dir, conversations, tmp_path / "blocked", cache_hidden=True))
+    assert (tmp_path / "blocked" / "hidden_cache").read_text() == "notes"
 
 
 @pytest.mark.parametrize("share_lm_head", [True, False])

@@ -65,6 +65,10 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"{output_dir} already holds trained heads ({CONFIG_NAME}), which this run would replace; "
                          f"choose a new --output (--init-heads {output_dir} trains those heads on)")
     check_lora_folder(output_dir)  # the adapter is saved there at the end: refuse a lora/ it would delete now
+    hidden_dir = output_dir / "hidden_cache"
+    if cfg.cache_hidden and hidden_dir.exists() and not hidden_dir.is_dir():
+        raise ValueError(f"--cache-hidden keeps the hidden states in {hidden_dir}, which is a file here; move it "
+                         f"away, or choose another --output")
     keep_trainable_weights_only(accelerator)
 
     # 1. Data (read first: a bad file fails before a big model loads) and base model. Trainable
@@ -142,14 +146,17 @@ def train(cfg: TrainConfig) -> dict:
         shape = (len(train_rows), cfg.max_length, spec.hidden_size * (1 + len(cfg.feature_layers)))
         if accelerator.is_main_process:
             key = fingerprint(train_rows, Path(cfg.model).resolve(), dtype)
-            reset_if_stale(output_dir / "hidden_cache", key, shape, dtype)
+            reset_if_stale(hidden_dir, key, shape, dtype)
         accelerator.wait_for_everyone()
-        cache = open_hidden_cache(output_dir / "hidden_cache", shape, dtype)
+        cache = open_hidden_cache(hidden_dir, shape, dtype)
+
+    if accelerator.is_main_process:
+        keep_log_through(output_dir / TRAIN_LOG, start_step)
 
     def log(record):
         accelerator.print(" ".join(f"{k}={v}" for k, v in record.items()))
         if accelerator.is_main_process:
-            with open(output_dir / "train_log.jsonl", "a") as f:
+            with open(output_dir / TRAIN_LOG, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def run_eval():
@@ -444,6 +451,24 @@ def batch_indices(micro_step: int, num_rows: int, batch_size: int, num_processes
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     start = (i * num_processes + process_index) * batch_size
     return order[start: start + batch_size].tolist()
+
+
+TRAIN_LOG = "train_log.jsonl"
+
+
+def keep_log_through(path: Path, step: int) -> None:
+    """Drop the log's records past `step`, where this run starts: a killed run logged steps after its last
+    checkpoint, which the resumed run logs again (and a run killed before its first checkpoint, all of them)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, AttributeError):  # a line cut short by the kill
+            pass
+    path.write_text("".join(f"{line}\n" for line in kept))
 
 
 def rows_read(micro_steps: int, num_rows: int, batch_size: int, num_processes: int, seed: int) -> set[int]:
