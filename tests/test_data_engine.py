@@ -15,6 +15,7 @@ import torch
 
 import medusa_spec.train.store
 from medusa_spec.accept import Sampling
+from medusa_spec.base import cache_argument
 from medusa_spec.train.data import read_conversations
 from medusa_spec.train.engine import GREEDY, Request, decode_stream
 from medusa_spec.train.store import ConversationStore, read_records
@@ -22,6 +23,11 @@ from tiny_models import ARCHITECTURES, tiny_model
 
 EOS = 2
 
+
+
+def cache_of(kwargs):
+    """The engine's cache in a forward's kwargs, under the name the model takes it by (base.cache_argument)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
 
 def reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy answer, through the first eos."""
@@ -120,7 +126,7 @@ def test_re_sorted_rows_keep_their_sampling_follow_up_columns_and_the_copied_pro
     monkeypatch.setattr(engine.Slots, "reorder",
                         lambda self, order, kept: moves.append(order) or reorder(self, order, kept))
     hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["cache"].row is not None)),
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (cache_of(kwargs).row is not None)),
         with_kwargs=True)
     requests = deque(Request(key, asks[key], Sampling(True, 1.0) if key == "B" else GREEDY, budget[key])
                      for key in budget)
@@ -146,7 +152,7 @@ def test_steps_run_only_through_the_last_busy_row_once_no_request_waits():
     limits = [3, 5, 12, 4, 6, 2]
     steps = []  # rows per decoding step (a prefill names its row in the cache)
     hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: steps.extend([kwargs["input_ids"].shape[0]] * (kwargs["cache"].row is None)),
+        lambda _, args, kwargs: steps.extend([kwargs["input_ids"].shape[0]] * (cache_of(kwargs).row is None)),
         with_kwargs=True)
     requests = deque(Request(i, ids, max_new_tokens=limits[i]) for i, ids in enumerate(asks))
     got = dict(decode_stream(model, requests, {EOS}, rows=4, max_new_tokens=12, capacity=32))
@@ -192,7 +198,7 @@ def test_next_turn_prefills_only_what_its_row_lacks(arch):
     asks = prompts(3, seed=4)
     prefills = []  # tokens run per prefill (one row's prompt; the cache names the row)
     hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["cache"].row is not None)),
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (cache_of(kwargs).row is not None)),
         with_kwargs=True)
     requests = deque(Request(i, ids) for i, ids in enumerate(asks))
     answers = {}
@@ -248,7 +254,7 @@ def test_a_request_may_ask_more_tokens_than_the_default_and_the_model_need_not_t
     class NoLogitsToKeep(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None):
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, use_cache=use_cache)
+                                   use_cache=use_cache, **{cache_argument(super().forward): cache})
 
     model = tiny_model("llama")
     got = dict(decode_stream(model, deque([Request("long", [5, 6, 7], max_new_tokens=10)]), set(), rows=1,
@@ -294,7 +300,7 @@ def test_a_prompt_asked_again_is_prefilled_once():
     a, b = a + [7, 8], b + [9]  # at least 2 tokens: a prefill is the only forward of more than one
     prefills = []  # tokens run per prefill (one row's prompt; the cache names the row)
     hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (kwargs["cache"].row is not None)),
+        lambda _, args, kwargs: prefills.extend([kwargs["input_ids"].shape[1]] * (cache_of(kwargs).row is not None)),
         with_kwargs=True)
     asks = [a, a, b, a, a, a]
     got = dict(decode_stream(model, deque(Request(i, ids) for i, ids in enumerate(asks)), {EOS}, rows=2,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from medusa_spec.base import inspect_base_model
+from medusa_spec.base import cache_argument, inspect_base_model
 from medusa_spec.kv_cache import new_cache
 from medusa_spec.slots import prefill
 from medusa_spec.tree import build_tree
@@ -89,7 +89,7 @@ def test_commit_keeps_exactly_each_rows_accepted_path(arch):
             valid = slots.valid[b].nonzero().flatten()
             assert slots.pos[b, valid].tolist() == list(range(len(text))), f"row {b}"
             reference = DynamicCache()
-            model(torch.tensor([text]), cache=reference, use_cache=True)
+            model(torch.tensor([text]), use_cache=True, **{cache_argument(model.forward): reference})
             assert len(slots.cache.layers) == len(reference.layers)
             for ours, theirs in zip(slots.cache.layers, reference.layers):
                 assert ours.keys.shape[2] == slots.past  # the rejected nodes' slots are gone

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from medusa_spec.base import inspect_base_model
+from medusa_spec.base import cache_argument, inspect_base_model
 from medusa_spec.columnwise import columnwise_copy
 from medusa_spec.kv_cache import keep_accepted, new_cache
 from medusa_spec.tree import build_tree
@@ -78,7 +78,7 @@ def test_compacted_cache_equals_sequential_cache(arch):
             n_kept = int(tree.depth[accepted[b]]) + 1
             sequence = torch.cat([row_prompt(prompts, attention_mask, b), node_tokens[b, paths[b, :n_kept]]])[None]
             reference = DynamicCache()
-            model(sequence, cache=reference, use_cache=True)
+            model(sequence, use_cache=True, **{cache_argument(model.forward): reference})
             # Valid slots of this row: its unpadded prompt, then its accepted path.
             slots = torch.cat([torch.nonzero(attention_mask[b]).flatten(), PROMPT + torch.arange(n_kept)])
             for ours, theirs in zip(cache.layers, reference.layers):
