@@ -16,6 +16,7 @@ from .flags import DTYPES, add_flag, check_device, check_model_folder, check_out
 from .formats import FORMATS, convert
 from .inputs import resolve_sampling
 from .model import MedusaModel
+from .slots import last_position
 from .train.cli import add_train_commands
 from .train.server import ServerError
 from .tree import default_tree, grow_tree
@@ -39,6 +40,7 @@ def demo(args) -> int:
     mm = MedusaModel.from_base(base, MedusaConfig(num_heads=3))
     tree = _auto_tree(mm)[0] if args.tree == "auto" else sized_tree(mm, args.tree)
     ids = torch.randint(3, 512, (1, 16))
+    last_position(base, torch.ones_like(ids), args.max_new_tokens)  # too long: said now, before transformers runs
     start = time.perf_counter()
     plain = base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     plain_time = time.perf_counter() - start

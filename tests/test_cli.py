@@ -33,9 +33,13 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def test_demo_reports_identical_output(capsys):
+def test_demo_reports_identical_output(capsys, monkeypatch):
     assert main(["demo", "--max-new-tokens", "16"]) == 0
     assert "identical to transformers greedy: True" in capsys.readouterr().out
+    import transformers  # past the tiny model's 2,048 positions: refused before transformers decodes 3,000 tokens
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", lambda *a, **k: pytest.fail("transformers ran"))
+    assert main(["demo", "--max-new-tokens", "3000"]) == 2
+    assert "needs 3016 positions, but LlamaForCausalLM has max_position_embeddings=2048" in capsys.readouterr().err
 
 
 def test_generate_streams_and_compares(model_dir, capsys):
