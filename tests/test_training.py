@@ -48,7 +48,7 @@ from medusa_spec.train.data import (
     tokenize_conversation,
     tokenize_conversations,
 )
-from medusa_spec.train.distill import SELF_PROMPTS, DistillConfig, answer, distill
+from medusa_spec.train.distill import SELF_PROMPTS, DistillConfig, answer, distill, model_identity
 from medusa_spec.train.draft_vocab import answer_token_counts, frequent_tokens
 from medusa_spec.train.evaluate import calibrate_tree, count_rank_hits
 from medusa_spec.train.load import load_model_and_tokenizer
@@ -508,6 +508,31 @@ def test_a_self_prompt_with_a_unicode_line_separator_is_read_back(base_dir, tmp_
     stats = distill(base_model, tokenizer, [], cfg, progress=False)
     assert stats["written"] == 1
     assert read_records(folder)[0]["messages"][0]["content"] == "count from w1\u2028now"
+
+
+def test_a_data_folder_holds_one_models_answers(base_dir, tmp_path):
+    """The first run records the model in the folder; another model (here: other weights of the same shape and
+    tokenizer) may neither add answers to it nor train heads on it, and the folder is left as it was."""
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    folder = tmp_path / "data"
+    prompts = [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(12)]
+    distill(base_model, tokenizer, prompts, distill_settings(base_dir, folder, max_new_tokens=6), progress=False)
+    recorded = json.loads((folder / "model.json").read_text())
+    assert recorded == model_identity(base_model.to(torch.bfloat16), tokenizer)  # a bf16 load is the same model
+    other_dir = tmp_path / "other"
+    other = tiny_llama(tokenizer)  # untrained: other weights
+    other.save_pretrained(other_dir)
+    tokenizer.save_pretrained(other_dir)
+    other, _ = load_model_and_tokenizer(other_dir)
+    before = sorted((p.name, p.read_bytes()) for p in folder.iterdir())
+    with pytest.raises(ValueError, match=r"holds answers of another model \(embeddings '[0-9a-f]{16}' there"):
+        distill(other, tokenizer, prompts + [Prompt("new", ("count from w3",))],
+                distill_settings(other_dir, folder, max_new_tokens=6), progress=False)
+    assert sorted((p.name, p.read_bytes()) for p in folder.iterdir()) == before
+    with pytest.raises(ValueError, match="--data .* holds another model's answers .*embeddings"):
+        train(small_run(other_dir, folder, tmp_path / "heads", eval_examples=2, max_steps=1))
+    settings = dict(eval_examples=2, max_steps=1, batch_size=1)
+    assert train(small_run(base_dir, folder, tmp_path / "heads", **settings))["steps"] == 1
 
 
 def test_distill_refuses_two_prompt_files_of_one_name_and_bad_settings(base_dir, tmp_path):

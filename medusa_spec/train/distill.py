@@ -12,6 +12,7 @@ are skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import zlib
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from ..accept import Sampling
@@ -27,7 +29,7 @@ from ..loop import eval_mode
 from .data import Prompt, normal_text, read_prompts, render, unique_prompts
 from .engine import Request, decode_stream
 from .options import option, shared
-from .store import ConversationStore, complete_lines, is_folder
+from .store import ConversationStore, complete_lines, is_folder, record_model
 
 SELF_PROMPTS = "self_prompts.jsonl"
 PROMPT_START = b'{"prompt": '  # how every line of SELF_PROMPTS begins
@@ -87,6 +89,20 @@ class DistillConfig:
         if self.concurrency != type(self).__dataclass_fields__["concurrency"].default and self.server is None:
             raise ValueError(f"--concurrency {self.concurrency} sets the requests in flight to a --server; local "
                              f"distillation runs --batch-size rows at once: add --server URL, or drop it")
+
+
+def model_identity(model, tokenizer) -> dict:
+    """What names the model whose answers a data folder holds (store.record_model): its shape, its tokenizer's
+    vocabulary, and its input embeddings' first rows rounded to bf16, so a float32 and a bfloat16 load of one model
+    agree; not its path, which differs from machine to machine."""
+    config = model.config.get_text_config(decoder=True)
+    embeddings = model.get_input_embeddings().weight
+    first_rows = embeddings[:64].detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()
+    vocabulary = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+    return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
+            "hidden_size": embeddings.shape[1], "vocab_size": embeddings.shape[0],
+            "tokenizer": hashlib.sha256(vocabulary).hexdigest()[:16],
+            "embeddings": hashlib.sha256(first_rows).hexdigest()[:16]}
 
 
 def eos_ids(base_model, tokenizer) -> set[int]:
@@ -200,6 +216,7 @@ def distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, pr
 
 def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, progress: bool) -> dict:
     unique = unique_prompts(prompts)  # an id clash fails here, before any prompt is written
+    record_model(cfg.output, model_identity(base_model, tokenizer))  # another model's folder: refused, untouched
     if cfg.self_prompts and any(p.id.rsplit(":", 1)[0] == SELF_PROMPTS for p in prompts):
         # Their ids would clash with the model's own prompts' (FILE_NAME:LINE) once those are written.
         raise ValueError(f"a --prompts file is named {SELF_PROMPTS}, the name --self-prompts keeps the model's own "

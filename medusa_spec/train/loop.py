@@ -37,12 +37,14 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import Example, collate, make_rows, read_conversations, tokenize_conversations
+from .distill import model_identity
 from .draft_vocab import answer_token_counts, coverage, draft_index, frequent_tokens
 from .evaluate import evaluate
 from .hidden_cache import fingerprint, open_hidden_cache, reset_if_stale
 from .load import load_model_and_tokenizer
 from .loss import kl_to_teacher, shifted_cross_entropy
 from .module import Outputs, TrainModule
+from .store import recorded_model_differences
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -78,6 +80,12 @@ def train(cfg: TrainConfig) -> dict:
     replayed = replay_sample(everything, cfg.exclude, cfg.init_heads, cfg.replay, cfg.seed, accelerator.print)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     base_model, tokenizer = load_model_and_tokenizer(cfg.model, dtype, cfg.plain_text)
+    identity = model_identity(base_model, tokenizer)
+    for path in cfg.data:  # self-distillation: the heads learn what this model answers
+        differences = recorded_model_differences(path, identity)
+        if differences:
+            raise ValueError(f"--data {path} holds another model's answers ({'; '.join(differences)}): train heads "
+                             f"for the model that wrote them (--model), or distill this one's")
     spec = inspect_base_model(base_model)
     guesses = cfg.draft_vocab or spec.vocab_size  # what a head ranks; checked now, not after the training
     if cfg.eval_ranks > guesses:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..inputs import resolve_sampling
 from .data import Prompt, unique_prompts
-from .store import ConversationStore
+from .store import ConversationStore, record_model
 
 
 class ServerError(RuntimeError):
@@ -116,6 +116,7 @@ def distill_via_server(prompts: list[Prompt], cfg, progress: bool = True, timeou
                          "hides; run them locally (without --server), or drop them")
     base_url = cfg.server.rstrip("/").removesuffix("/v1")
     model = cfg.server_model or served_model(base_url)
+    record_model(cfg.output, {"server_model": model})
     store = ConversationStore(cfg.output, cfg.chunk_size)
     unique = unique_prompts(prompts)  # as local distillation: each text once
     todo = [p for p in unique if p.id not in store.done]

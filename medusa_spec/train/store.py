@@ -25,6 +25,7 @@ except ImportError:  # Windows: no flock; keeping to one writer per output is th
     fcntl = None
 
 OPEN = "open.jsonl"
+MODEL = "model.json"  # which model's answers a folder holds (record_model)
 
 
 def _parts(folder: Path) -> list[Path]:
@@ -116,6 +117,33 @@ def _hold_writer_lock(path: Path, owner: object) -> None:
         raise ValueError(f"{path} is being written by another distill run (it holds its lock): wait for that run to "
                          f"end, or write to another --output") from None
     weakref.finalize(owner, os.close, fd)
+
+
+def recorded_model_differences(path: str | Path, identity: dict) -> list[str]:
+    """How `identity` differs from the model recorded in the folder `path`, over the keys both name ([] where the
+    folder records none: a single file, or a folder from before the record)."""
+    file = Path(path) / MODEL
+    if not (is_folder(path) and file.is_file()):
+        return []
+    recorded = json.loads(file.read_text())
+    return [f"{key} {recorded[key]!r} there, {identity[key]!r} here"
+            for key in sorted(recorded.keys() & identity.keys()) if recorded[key] != identity[key]]
+
+
+def record_model(path: str | Path, identity: dict) -> None:
+    """A folder's answers come from one model: the first run records it there (MODEL), and a later one writing into
+    the folder must be that model. A single JSONL file has no room for the record."""
+    path = Path(path)
+    if not is_folder(path):
+        return
+    differences = recorded_model_differences(path, identity)
+    if differences:
+        raise ValueError(f"{path} holds answers of another model ({'; '.join(differences)}, {path / MODEL}): "
+                         f"distill this model into another --output, or run the model that wrote them")
+    if not (path / MODEL).is_file():
+        check_output_folder(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / MODEL).write_text(json.dumps(identity, indent=1) + "\n")
 
 
 class ConversationStore:
