@@ -119,6 +119,11 @@ def _check_proposer_options(args) -> None:
         raise ValueError("--documents are searched by prompt lookup: add --lookup N (e.g. --lookup 10)")
     if args.draft_tokens is not None and not uses_draft:
         raise ValueError("--draft-tokens sets K for a draft model: add --draft-model DIR or --self-draft-layers N")
+    if args.max_draft_tokens is not None and not uses_draft:
+        raise ValueError("--max-draft-tokens bounds K for a draft model: add --draft-model DIR or "
+                         "--self-draft-layers N")
+    if args.max_draft_tokens is not None and args.draft_tokens is not None:
+        raise ValueError("--max-draft-tokens bounds the K chosen each step, but --draft-tokens fixes K: give one")
 
 
 def load_draft_model(args):
@@ -300,7 +305,7 @@ def _add_speculation_options(parser) -> None:
     """How generate and chat run the proposer they speculate with."""
     add_flag(parser, "documents")
     add_flag(parser, "draft_tokens")
-    add_flag(parser, "max_draft_tokens", 8)
+    add_flag(parser, "max_draft_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

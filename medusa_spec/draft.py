@@ -119,16 +119,25 @@ class StageClock:
         return start.elapsed_time(end) / 1000 if self.cuda else end - start
 
 
-def _check_draft_lengths(num_draft_tokens, max_draft_tokens) -> None:
+# The most draft tokens an adaptive K (num_draft_tokens None) chooses, unless max_draft_tokens says.
+MAX_DRAFT_TOKENS = 8
+
+
+def _check_draft_lengths(num_draft_tokens, max_draft_tokens) -> int:
+    """The bound of the adaptive K, after checking both lengths."""
     def positive_int(value):
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
     if num_draft_tokens is not None and not positive_int(num_draft_tokens):
         raise ValueError(f"num_draft_tokens must be an integer >= 1 (draft tokens per step), or None to choose it "
                          f"each step, got {num_draft_tokens!r}")
-    if not positive_int(max_draft_tokens):
+    if num_draft_tokens is not None and max_draft_tokens is not None:
+        raise ValueError(f"max_draft_tokens={max_draft_tokens} bounds the draft length chosen each step, but "
+                         f"num_draft_tokens={num_draft_tokens} fixes it: give one of them")
+    if max_draft_tokens is not None and not positive_int(max_draft_tokens):
         raise ValueError(f"max_draft_tokens must be an integer >= 1 (the most draft tokens per step), "
                          f"got {max_draft_tokens!r}")
+    return MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens
 
 
 class DraftModelProposer(Proposer):
@@ -230,16 +239,16 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
                         do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                         top_p: float | None = None,
                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-                        num_draft_tokens: int | None = None, max_draft_tokens: int = 8,
+                        num_draft_tokens: int | None = None, max_draft_tokens: int | None = None,
                         streamer=None, timer: StepTimer | None = None) -> GenerateOutput:
     """Speculative generation with a draft model (any causal LM with the base model's vocabulary, or
     self_draft(base_model, n)); `sequences` [B, prompt + new] as transformers' generate.
 
-    num_draft_tokens: K, fixed; None (default) chooses K in 1..max_draft_tokens each step from the measured
+    num_draft_tokens: K, fixed; None (default) chooses K in 1..max_draft_tokens (default 8) each step from the measured
     acceptance rate and costs. Other arguments (timer too) as in MedusaModel.generate. The draft model samples from its
     distribution processed like the base model's (temperature, top-k, top-p), or takes its argmax when greedy.
     """
-    _check_draft_lengths(num_draft_tokens, max_draft_tokens)
+    max_draft_tokens = _check_draft_lengths(num_draft_tokens, max_draft_tokens)
     spec, draft_spec = check_draft_model(base_model, draft_model)
     sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p)
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)

@@ -388,6 +388,8 @@ IDS = torch.tensor([[5, 6, 7, 8]])
     (dict(num_draft_tokens=0), "num_draft_tokens must be an integer >= 1"),
     (dict(num_draft_tokens=2.5), "num_draft_tokens must be an integer >= 1"),
     (dict(max_draft_tokens=0), "max_draft_tokens must be an integer >= 1"),
+    (dict(num_draft_tokens=3, max_draft_tokens=5), "max_draft_tokens=5 bounds the draft length chosen each step, "
+                                                   "but num_draft_tokens=3 fixes it"),
     (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
 ])
 def test_bad_draft_arguments(kwargs, message):
@@ -445,6 +447,8 @@ def test_generate_with_other_proposers(model_dir, tmp_path, capsys, options):  #
     (["--lookup", "4", "--self-draft-layers", "1"], "does not combine with a draft model"),
     (["--draft-model", "d", "--self-draft-layers", "1"], "give one of them"),
     (["--draft-tokens", "3"], "add --draft-model DIR or --self-draft-layers N"),
+    (["--max-draft-tokens", "3"], "--max-draft-tokens bounds K for a draft model: add --draft-model DIR"),
+    (["--self-draft-layers", "1", "--draft-tokens", "2", "--max-draft-tokens", "4"], "--draft-tokens fixes K"),
 ])
 def test_generate_refuses_conflicting_proposer_options(model_dir, capsys, options, message):  # noqa: F811
     assert main(["generate", "w5", "--model", str(model_dir), *options]) == 2
