@@ -38,7 +38,7 @@ def demo(args) -> int:
                                       num_attention_heads=4, num_key_value_heads=2)
     base = transformers.AutoModelForCausalLM.from_config(config).eval()
     mm = MedusaModel.from_base(base, MedusaConfig(num_heads=3))
-    tree = _auto_tree(mm)[0] if args.tree == "auto" else sized_tree(mm, args.tree)
+    tree = _auto_tree(mm)[0] if args.tree in (None, "auto") else sized_tree(mm, args.tree)
     ids = torch.randint(3, 512, (1, 16))
     last_position(base, torch.ones_like(ids), args.max_new_tokens)  # too long: said now, before transformers runs
     start = time.perf_counter()
@@ -54,9 +54,10 @@ def demo(args) -> int:
     return 0 if torch.equal(out.sequences, plain) else 1
 
 
-def load(args):
+def load(args, heads_tree: bool = True):
     """(MedusaModel, tokenizer) from --model/--heads; without --model, the default model and its shipped heads.
-    --draft-model and --device are checked here too, before anything loads."""
+    --draft-model and --device are checked here too, before anything loads. heads_tree: resolve --tree (default
+    auto) into args.tree; False where a draft model speculates instead, so nothing is measured for it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path = check_model_folder(args.model) if args.model else default_model.prepare()
@@ -69,9 +70,10 @@ def load(args):
     mm = MedusaModel.from_pretrained(base, heads) if heads else MedusaModel.from_base(base)
     if heads is None:
         print("[no heads given: untrained heads, expect no speed-up]", file=sys.stderr)
-    if args.tree == "auto":
-        args.tree, args.tree_table = _auto_tree(mm)
-    args.tree = sized_tree(mm, args.tree)
+    tree = "auto" if args.tree is None and heads_tree else args.tree
+    if tree == "auto":
+        tree, args.tree_table = _auto_tree(mm)
+    args.tree = sized_tree(mm, tree)
     return mm, tokenizer
 
 
@@ -110,6 +112,9 @@ def _check_proposer_options(args) -> None:
     uses_draft = args.draft_model is not None or args.self_draft_layers is not None
     if args.draft_model is not None and args.self_draft_layers is not None:
         raise ValueError("--draft-model and --self-draft-layers each choose a draft model; give one of them")
+    if uses_draft and args.tree is not None:
+        raise ValueError("--tree shapes the heads' candidates, and a draft model speculates instead of the heads: "
+                         "drop --tree, or the draft model")
     if uses_draft and args.lookup:
         raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a draft model: "
                          "drop one")
@@ -139,9 +144,7 @@ def load_speculation(args):
     """generate's and chat's model and proposer from the model, proposer and speculation options: returns
     speculate(ids, streamer) -> GenerateOutput, the MedusaModel and the tokenizer."""
     _check_proposer_options(args)
-    if args.draft_model is not None or args.self_draft_layers is not None:
-        args.tree = None  # a draft model replaces the heads' tree: nothing to measure for --tree auto
-    mm, tokenizer = load(args)
+    mm, tokenizer = load(args, heads_tree=args.draft_model is None and args.self_draft_layers is None)
     base = mm.base_model
     draft = self_draft(base, args.self_draft_layers) if args.self_draft_layers is not None else load_draft_model(args)
     documents = [tokenizer(_document_text(path), add_special_tokens=False).input_ids for path in args.documents or []]
@@ -278,7 +281,7 @@ def _add_model_options(parser) -> None:
 def _add_decoding_options(parser) -> None:
     """Length and candidate tree: every subcommand that decodes (demo, generate, chat, bench)."""
     add_flag(parser, "max_new_tokens", 128)
-    add_flag(parser, "tree", "auto")
+    add_flag(parser, "tree", default_help="auto")
 
 
 def _add_sampling_options(parser) -> None:

@@ -448,6 +448,7 @@ def test_generate_with_other_proposers(model_dir, tmp_path, capsys, options):  #
     (["--draft-model", "d", "--self-draft-layers", "1"], "give one of them"),
     (["--draft-tokens", "3"], "add --draft-model DIR or --self-draft-layers N"),
     (["--max-draft-tokens", "3"], "--max-draft-tokens bounds K for a draft model: add --draft-model DIR"),
+    (["--self-draft-layers", "1", "--tree", "4"], "--tree shapes the heads' candidates, and a draft model speculates"),
     (["--self-draft-layers", "1", "--draft-tokens", "2", "--max-draft-tokens", "4"], "--draft-tokens fixes K"),
 ])
 def test_generate_refuses_conflicting_proposer_options(model_dir, capsys, options, message):  # noqa: F811
