@@ -355,8 +355,9 @@ def conversation_key(messages: list[dict]) -> str:
 
 
 def write_trained_on(path: Path, keys: set[str]) -> None:
-    header = (f"# {len(keys)} conversation beginnings in these heads' training samples: sha256 of each one's first "
-              f"exchange (its messages through the first answer, as JSON [[role, content], ...]), 16 hex digits\n")
+    header = (f"# {len(keys)} conversation beginnings these heads trained on (in rows their steps read): sha256 of "
+              f"each one's first exchange (its messages through the first answer, as JSON [[role, content], ...]), "
+              f"16 hex digits\n")
     path.write_text(header + "".join(f"{k}\n" for k in sorted(keys)))
 
 
