@@ -57,7 +57,7 @@ from medusa_spec.train.loss import heads_loss, kl_to_teacher, linear_cross_entro
 from medusa_spec.train.module import TrainModule
 from medusa_spec.train.options import resolve
 from medusa_spec.train.server import ServerError, distill_via_server
-from medusa_spec.train.store import read_records
+from medusa_spec.train.store import read_records, record_model, recorded_model_differences
 
 WORDS = 24  # the counting vocabulary w0 .. w23, cyclic
 SPECIAL = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -517,22 +517,26 @@ def test_a_data_folder_holds_one_models_answers(base_dir, tmp_path):
     folder = tmp_path / "data"
     prompts = [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(12)]
     distill(base_model, tokenizer, prompts, distill_settings(base_dir, folder, max_new_tokens=6), progress=False)
-    recorded = json.loads((folder / "model.json").read_text())
-    assert recorded == model_identity(base_model.to(torch.bfloat16), tokenizer)  # a bf16 load is the same model
+    assert json.loads((folder / "model.json").read_text()) == model_identity(base_model, tokenizer)
+    for dtype in (torch.bfloat16, torch.float16):  # loads of the same weights in other dtypes are the same model
+        assert recorded_model_differences(folder, model_identity(base_model.to(dtype), tokenizer)) == []
+    base_model.float()
     other_dir = tmp_path / "other"
     other = tiny_llama(tokenizer)  # untrained: other weights
     other.save_pretrained(other_dir)
     tokenizer.save_pretrained(other_dir)
     other, _ = load_model_and_tokenizer(other_dir)
     before = sorted((p.name, p.read_bytes()) for p in folder.iterdir())
-    with pytest.raises(ValueError, match=r"holds answers of another model \(embeddings '[0-9a-f]{16}' there"):
+    with pytest.raises(ValueError, match=r"holds answers of another model.* \(weights \["):
         distill(other, tokenizer, prompts + [Prompt("new", ("count from w3",))],
                 distill_settings(other_dir, folder, max_new_tokens=6), progress=False)
     assert sorted((p.name, p.read_bytes()) for p in folder.iterdir()) == before
-    with pytest.raises(ValueError, match="--data .* holds another model's answers .*embeddings"):
+    with pytest.raises(ValueError, match="--data .* holds another model's answers .*weights"):
         train(small_run(other_dir, folder, tmp_path / "heads", eval_examples=2, max_steps=1))
     settings = dict(eval_examples=2, max_steps=1, batch_size=1)
     assert train(small_run(base_dir, folder, tmp_path / "heads", **settings))["steps"] == 1
+    with pytest.raises(ValueError, match="or of one this run cannot compare with its own .*server_model"):
+        record_model(folder, {"server_model": "m"})  # a served model and a local one: not comparable, refused
 
 
 def test_distill_refuses_two_prompt_files_of_one_name_and_bad_settings(base_dir, tmp_path):

@@ -93,16 +93,22 @@ class DistillConfig:
 
 def model_identity(model, tokenizer) -> dict:
     """What names the model whose answers a data folder holds (store.record_model): its shape, its tokenizer's
-    vocabulary, and its input embeddings' first rows rounded to bf16, so a float32 and a bfloat16 load of one model
-    agree; not its path, which differs from machine to machine."""
+    vocabulary, and `weights`: the sum of |w| over 8 of its parameters spread from the first to the last, which a
+    float32, bfloat16 or float16 load of one model gives within store.WEIGHTS_RTOL (rounding is unbiased) and a
+    fine-tune moves; not its path, which differs from machine to machine. Offloaded (meta) weights are left out."""
     config = model.config.get_text_config(decoder=True)
     embeddings = model.get_input_embeddings().weight
-    first_rows = embeddings[:64].detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()
     vocabulary = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
-    return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
-            "hidden_size": embeddings.shape[1], "vocab_size": embeddings.shape[0],
-            "tokenizer": hashlib.sha256(vocabulary).hexdigest()[:16],
-            "embeddings": hashlib.sha256(first_rows).hexdigest()[:16]}
+    identity = {"model_type": getattr(config, "model_type", None),
+                "num_hidden_layers": getattr(config, "num_hidden_layers", None),
+                "hidden_size": embeddings.shape[1], "vocab_size": embeddings.shape[0],
+                "tokenizer": hashlib.sha256(vocabulary).hexdigest()[:16]}
+    parameters = [p for _, p in model.named_parameters()]
+    if not any(p.is_meta for p in parameters):
+        picked = [parameters[round(i * (len(parameters) - 1) / 7)] for i in range(8)]
+        with torch.no_grad():
+            identity["weights"] = [float(f"{float(p.float().abs().sum()):.6g}") for p in picked]
+    return identity
 
 
 def eos_ids(base_model, tokenizer) -> set[int]:

@@ -44,7 +44,7 @@ from .hidden_cache import fingerprint, open_hidden_cache, reset_if_stale
 from .load import load_model_and_tokenizer
 from .loss import kl_to_teacher, shifted_cross_entropy
 from .module import Outputs, TrainModule
-from .store import recorded_model_differences
+from .store import recorded_model, recorded_model_differences
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -82,6 +82,11 @@ def train(cfg: TrainConfig) -> dict:
     base_model, tokenizer = load_model_and_tokenizer(cfg.model, dtype, cfg.plain_text)
     identity = model_identity(base_model, tokenizer)
     for path in cfg.data:  # self-distillation: the heads learn what this model answers
+        recorded = recorded_model(path)
+        if recorded is not None and not recorded.keys() & identity.keys():  # a served model's answers
+            accelerator.print(f"--data {path}: answered through a server ({recorded}), which cannot be checked "
+                              f"against --model here; it must be the same model")
+            continue
         differences = recorded_model_differences(path, identity)
         if differences:
             raise ValueError(f"--data {path} holds another model's answers ({'; '.join(differences)}): train heads "

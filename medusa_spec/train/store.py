@@ -119,15 +119,39 @@ def _hold_writer_lock(path: Path, owner: object) -> None:
     weakref.finalize(owner, os.close, fd)
 
 
-def recorded_model_differences(path: str | Path, identity: dict) -> list[str]:
-    """How `identity` differs from the model recorded in the folder `path`, over the keys both name ([] where the
-    folder records none: a single file, or a folder from before the record)."""
+# How far a `weights` sum of the record may move between loads of one model in another dtype (distill.model_identity):
+# float16 rounding moves such a sum by about 1e-6 of itself, a fine-tune by far more.
+WEIGHTS_RTOL = 1e-3
+
+
+def recorded_model(path: str | Path) -> dict | None:
+    """The model recorded in the folder `path` (None: a single file, or a folder from before the record)."""
     file = Path(path) / MODEL
     if not (is_folder(path) and file.is_file()):
+        return None
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError:
+        raise ValueError(f"{file} is damaged (not JSON); delete it if the folder holds one model's answers, and the "
+                         f"next distill records the model again") from None
+
+
+def recorded_model_differences(path: str | Path, identity: dict) -> list[str]:
+    """How `identity` differs from the model recorded in the folder `path`, over the keys both name ([] where there
+    is no record). A record of a served model and one of a local model share no key: that is a difference too."""
+    recorded = recorded_model(path)
+    if recorded is None:
         return []
-    recorded = json.loads(file.read_text())
+    if not recorded.keys() & identity.keys():
+        return [f"recorded as {recorded}, here {identity}"]
+
+    def same(key):
+        if key == "weights" and len(recorded[key]) == len(identity[key]):
+            return all(abs(a - b) <= WEIGHTS_RTOL * max(abs(a), abs(b)) for a, b in zip(recorded[key], identity[key]))
+        return recorded[key] == identity[key]
+
     return [f"{key} {recorded[key]!r} there, {identity[key]!r} here"
-            for key in sorted(recorded.keys() & identity.keys()) if recorded[key] != identity[key]]
+            for key in sorted(recorded.keys() & identity.keys()) if not same(key)]
 
 
 def record_model(path: str | Path, identity: dict) -> None:
@@ -138,12 +162,16 @@ def record_model(path: str | Path, identity: dict) -> None:
         return
     differences = recorded_model_differences(path, identity)
     if differences:
-        raise ValueError(f"{path} holds answers of another model ({'; '.join(differences)}, {path / MODEL}): "
-                         f"distill this model into another --output, or run the model that wrote them")
+        raise ValueError(f"{path} holds answers of another model, or of one this run cannot compare with its own "
+                         f"(a served one and a local one) ({'; '.join(differences)}, {path / MODEL}): distill this "
+                         f"model into another --output (train reads several --data folders), or run the model that "
+                         f"wrote them")
     if not (path / MODEL).is_file():
         check_output_folder(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / MODEL).write_text(json.dumps(identity, indent=1) + "\n")
+        tmp = path / f".{MODEL}.tmp"  # a kill leaves the record whole or absent
+        tmp.write_text(json.dumps(identity, indent=1) + "\n")
+        os.replace(tmp, path / MODEL)
 
 
 class ConversationStore:
