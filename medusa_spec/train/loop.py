@@ -456,13 +456,18 @@ def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_ratio
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def epoch_order(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    """The seeded shuffle of the rows an epoch reads in (batch_indices, rows_read)."""
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
 def batch_indices(micro_step: int, num_rows: int, batch_size: int, num_processes: int, process_index: int,
                   seed: int) -> list[int]:
     """The rows of one micro-batch on one process: a pure function of the micro-step (a fresh seeded
     shuffle per epoch, the last partial batch dropped), so resuming needs only the step count."""
     per_epoch = num_rows // (batch_size * num_processes)
     epoch, i = divmod(micro_step, per_epoch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    order = epoch_order(num_rows, seed, epoch)
     start = (i * num_processes + process_index) * batch_size
     return order[start: start + batch_size].tolist()
 
@@ -490,9 +495,8 @@ def rows_read(micro_steps: int, num_rows: int, batch_size: int, num_processes: i
     per_epoch = num_rows // (batch_size * num_processes)
     read = set()
     for epoch in range(-(-micro_steps // per_epoch)):
-        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         steps = min(per_epoch, micro_steps - epoch * per_epoch)
-        read.update(order[: steps * num_processes * batch_size].tolist())
+        read.update(epoch_order(num_rows, seed, epoch)[: steps * num_processes * batch_size].tolist())
     return read
 
 
