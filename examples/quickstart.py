@@ -5,6 +5,7 @@
 tests/test_examples.py runs it and checks that the README's API block is taken from it, so both stay true.
 """
 
+import shutil
 import tempfile
 
 import torch
@@ -19,10 +20,11 @@ torch.manual_seed(0)
 base = AutoModelForCausalLM.from_config(config).eval()
 input_ids = torch.randint(3, 512, (1, 16))
 
-with tempfile.TemporaryDirectory() as heads_dir:
-    mm = MedusaModel.from_base(base, MedusaConfig(num_heads=4, num_layers=1))
-    mm.save_heads(heads_dir)         # medusa_config.json + medusa_heads.safetensors (heads only)
-    mm = MedusaModel.from_pretrained(base, heads_dir)
+heads_dir = tempfile.mkdtemp()   # any folder
+mm = MedusaModel.from_base(base, MedusaConfig(num_heads=4, num_layers=1))
+mm.save_heads(heads_dir)         # medusa_config.json + medusa_heads.safetensors (heads only)
+mm = MedusaModel.from_pretrained(base, heads_dir)
+shutil.rmtree(heads_dir)
 
 out = mm.generate(input_ids, attention_mask=None, max_new_tokens=128,
                   do_sample=None, temperature=None, top_k=None, top_p=None,

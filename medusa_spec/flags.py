@@ -206,8 +206,8 @@ FLAGS = {
                               type=positive_int, metavar="N", unset="none; half the model's layers in bench"),
     "draft_tokens": Flag("draft tokens per step", type=positive_int, metavar="K",
                          unset="chosen each step from measured acceptance and costs"),
-    "max_draft_tokens": Flag("upper bound of the adaptive number of draft tokens (default 8; not with "
-                             "--draft-tokens, which fixes the number)", type=positive_int, metavar="K"),
+    "max_draft_tokens": Flag("upper bound of the adaptive number of draft tokens (not with --draft-tokens, which "
+                             "fixes the number)", type=positive_int, metavar="K", unset="8"),
     # Prompt files (bench, distill) and where a command writes (bench, distill, train).
     "prompts": Flag("prompt JSONL files, each FILE or FILE:N (the first N prompts of FILE): records with `turns` "
                     "(MT-bench's), `prompt`, `question`, `text`, `instruction` or `input`, or bare JSON strings; "

@@ -84,11 +84,15 @@ def add_train_commands(subparsers) -> None:
     add_options(p, TrainConfig)
     p.set_defaults(func=run_train)
 
-    p = subparsers.add_parser("tree", help="grow the heads' default tree from measured head accuracies",
+    p = subparsers.add_parser("tree", help="grow the heads' tree of N nodes from measured head accuracies",
                               description="Grow the sparse tree of --nodes nodes that maximises the expected accepted "
-                                          "length and store it in the medusa_config.json of --heads (an adapter "
-                                          "folder written by `medusa-spec train`). Uses the accuracies saved by "
-                                          "training, or measures them with --model and --data.")
+                                          "length, print it (the medusa_choices a serving engine takes) and store it "
+                                          "in the medusa_config.json of --heads (an adapter folder written by "
+                                          "`medusa-spec train`). Uses the accuracies saved by training, or measures "
+                                          "them with --model and --data and stores them too. generate's default "
+                                          "(tree=None, --tree auto) does not read the stored tree while the "
+                                          "accuracies are there: it times trees of every size on the machine it runs "
+                                          "on and picks the fastest for them; --tree N decodes with this N-node tree.")
     add_flag(p, "heads", required=True, aliases=("--adapter",))
     p.add_argument("--nodes", type=positive_int, default=16,
                    help="tree size, root included; larger suits GPUs (default: 16)")
