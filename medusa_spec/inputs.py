@@ -44,6 +44,14 @@ def _check_padding(attention_mask: torch.Tensor, source: str) -> None:
     if not bool(attention_mask[:, -1].bool().all()):
         raise ValueError(f"prompts must be left-padded, but {source} makes the last token of a row padding: "
                          f"set tokenizer.padding_side = 'left'")
+    # Padding between a row's tokens: a sliding window counts cache slots in transformers and positions here, so
+    # windowed models would decode otherwise; tokenizers never write such a mask.
+    inside = (attention_mask.cumsum(-1) > 0) & ~attention_mask.bool()
+    if bool(inside.any()):
+        row = int(inside.any(-1).nonzero()[0])
+        raise ValueError(f"row {row} of {source} masks tokens between its first and last token: prompts must be "
+                         f"left padding, then the prompt's tokens; drop the masked tokens from the prompt, or pass an "
+                         f"attention_mask that keeps them")
 
 
 def check_token_ids(rows: list[list[int]], vocab_size: int, name: str, what: str) -> None:
@@ -72,15 +80,19 @@ TRANSFORMERS_SAMPLING_DEFAULTS = (("do_sample", False), ("temperature", 1.0), ("
 UNSUPPORTED_WARPERS = (("min_p", None), ("top_h", None), ("typical_p", 1.0), ("epsilon_cutoff", 0.0),
                        ("eta_cutoff", 0.0))
 # generation_config settings from which transformers' generate builds a logits processor or stopping criterion,
-# greedy or sampling (GenerationMixin._get_logits_processor, _get_stopping_criteria), with the value at which each
-# does nothing; medusa_spec applies none of them. (renormalize_logits is left out: a log-softmax changes no argmax
-# and no distribution.)
+# greedy or sampling (GenerationMixin._get_logits_processor, _get_stopping_criteria), or which choose another
+# decoding mode or more sequences per prompt (GenerationConfig.get_generation_mode: beams, contrastive search, DoLa,
+# constraints), with the value at which each does nothing; medusa_spec applies none of them. (renormalize_logits is
+# left out: a log-softmax changes no argmax and no distribution.)
 UNSUPPORTED_PROCESSORS = (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0), ("bad_words_ids", None),
                           ("sequence_bias", None), ("min_length", 0), ("min_new_tokens", 0),
                           ("suppress_tokens", None), ("begin_suppress_tokens", None), ("forced_bos_token_id", None),
                           ("forced_eos_token_id", None), ("exponential_decay_length_penalty", None),
                           ("remove_invalid_values", False), ("guidance_scale", 1), ("watermarking_config", None),
-                          ("stop_strings", None), ("max_time", None))
+                          ("stop_strings", None), ("max_time", None), ("encoder_repetition_penalty", 1.0),
+                          ("encoder_no_repeat_ngram_size", 0), ("num_return_sequences", 1), ("num_beams", 1),
+                          ("num_beam_groups", 1), ("penalty_alpha", 0.0), ("dola_layers", None),
+                          ("constraints", None), ("force_words_ids", None))
 
 
 def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, top_k=None, top_p=None) -> Sampling:

@@ -63,7 +63,7 @@ def check_documents(documents, vocab_size: int) -> list[list[int]]:
 
 def check_lookup_tokens(lookup_tokens) -> None:
     if not isinstance(lookup_tokens, int) or isinstance(lookup_tokens, bool) or lookup_tokens < 0:
-        raise ValueError(f"lookup_tokens must be an integer >= 1 (the lookup chain's length; 0 turns lookup off), "
+        raise ValueError(f"lookup_tokens must be an integer >= 0 (the lookup chain's length; 0 turns lookup off), "
                          f"got {lookup_tokens!r}")
 
 

@@ -120,11 +120,12 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         timer.start(device)
 
     with torch.inference_mode(), ExitStack() as modes:
-        # The candidates' few rows run column-wise on CPU, through a copy of the model (see columnwise); proposers
-        # run in eval mode.
-        base_model = columnwise_copy(base_model, packs=packs)
-        for module in proposer.modules:
+        # The base model and the proposers run in eval mode (a model left in train mode would decode with dropout
+        # on: neither greedy nor the model's distribution), each back in its own mode after. The candidates' few
+        # rows run column-wise on CPU, through a copy of the model (see columnwise).
+        for module in (base_model, *proposer.modules):
             modes.enter_context(eval_mode(module))
+        base_model = columnwise_copy(base_model, packs=packs)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).

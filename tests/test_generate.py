@@ -267,6 +267,19 @@ def test_generate_runs_heads_in_eval_mode_and_restores_their_mode():
     assert not heads.training
 
 
+def test_a_base_model_left_in_train_mode_decodes_without_dropout_and_stays_in_train_mode():
+    model = tiny_model("gpt2", lm_head_scale=1.0, embd_pdrop=0.5, attn_pdrop=0.5, resid_pdrop=0.5)
+    mm = medusa(model)
+    expected = mm.generate(prompt(seed=15), max_new_tokens=12, eos_token_id=[], tree=TREE).sequences
+    model.train()
+    torch.manual_seed(0)
+    with torch.no_grad():  # the dropout changes what the model decodes (so the check below can fail)
+        assert not torch.equal(model.generate(prompt(seed=15), max_new_tokens=12, do_sample=False, eos_token_id=None),
+                               expected)
+    assert torch.equal(mm.generate(prompt(seed=15), max_new_tokens=12, eos_token_id=[], tree=TREE).sequences, expected)
+    assert all(m.training for m in model.modules())  # as the caller left it
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])  # learned position tables of 256 positions
 def test_rows_finished_early_stand_still_at_the_position_limit(arch):
     """Prompt + max_new_tokens fill the position table exactly. Row 0 stops at an eos within a few tokens;

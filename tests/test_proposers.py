@@ -418,7 +418,7 @@ def test_self_draft_refuses_what_it_cannot_build():
     (dict(documents=[[5, 6.0]]), r"documents\[0\] holds 6.0, not a token id"),
     (dict(documents=[torch.ones(2, 3, dtype=torch.long)]), r"documents\[0\] is a tensor of shape \(2, 3\)"),
     (dict(documents=[[5, VOCAB]]), rf"token ids \[{VOCAB}\] outside the model's vocabulary \[0, {VOCAB}\)"),
-    (dict(lookup_tokens=-1), "lookup_tokens must be an integer >= 1"),
+    (dict(lookup_tokens=-1), "lookup_tokens must be an integer >= 0"),
     (dict(lookup_tokens=0), "needs lookup_tokens >= 1"),
     (dict(tree=[[0]]), "tree needs Medusa heads: pass a MedusaModel"),
 ])

@@ -260,7 +260,9 @@ def test_sampling_from_the_generation_config_is_exact():
 
 @pytest.mark.parametrize("name, value", [("repetition_penalty", 1.5), ("no_repeat_ngram_size", 2),
                                          ("min_new_tokens", 3), ("suppress_tokens", [4]), ("bad_words_ids", [[4]]),
-                                         ("stop_strings", ["x"])])
+                                         ("stop_strings", ["x"]), ("encoder_repetition_penalty", 3.0),
+                                         ("encoder_no_repeat_ngram_size", 1), ("num_beams", 3),
+                                         ("num_return_sequences", 2)])
 def test_a_processor_medusa_spec_does_not_apply_is_refused_greedy_too(name, value):
     """transformers' generate applies these from the generation_config, greedy or not (a Qwen2.5-Instruct ships
     repetition_penalty=1.05): decoding without them would not give the model's output."""
