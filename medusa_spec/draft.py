@@ -16,6 +16,7 @@ import time
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from .accept import Sampling, processed_probs
 from .base import inspect_base_model, model_device_dtype
@@ -240,18 +241,20 @@ def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids
                         top_p: float | None = None,
                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                         num_draft_tokens: int | None = None, max_draft_tokens: int | None = None,
-                        streamer=None, timer: StepTimer | None = None) -> GenerateOutput:
+                        streamer=None, timer: StepTimer | None = None,
+                        generation_config: GenerationConfig | None = None) -> GenerateOutput:
     """Speculative generation with a draft model (any causal LM with the base model's vocabulary, or
     self_draft(base_model, n)); `sequences` [B, prompt + new] as transformers' generate.
 
     num_draft_tokens: K, fixed; None (default) chooses K in 1..max_draft_tokens (default 8) each step from the measured
-    acceptance rate and costs. Other arguments (timer too) as in MedusaModel.generate. The draft model samples from its
-    distribution processed like the base model's (temperature, top-k, top-p), or takes its argmax when greedy.
+    acceptance rate and costs. Other arguments (timer and generation_config too) as in MedusaModel.generate. The draft
+    model samples from its distribution processed like the base model's (temperature, top-k, top-p), or takes its
+    argmax when greedy.
     """
     max_draft_tokens = _check_draft_lengths(num_draft_tokens, max_draft_tokens)
     spec, draft_spec = check_draft_model(base_model, draft_model)
-    sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p)
-    eos, pad = special_tokens(base_model, eos_token_id, pad_token_id)
+    sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p, generation_config)
+    eos, pad = special_tokens(base_model, eos_token_id, pad_token_id, generation_config)
     proposer = DraftModelProposer(draft_model, draft_spec, sampling, num_draft_tokens, max_draft_tokens)
     return decode(base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad, streamer,
-                  timer)
+                  timer, generation_config=generation_config)

@@ -12,6 +12,7 @@ the callable. Nothing is set on the caller's model.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from pathlib import Path
@@ -73,11 +74,13 @@ def medusa_decoding(model: nn.Module, input_ids: torch.LongTensor, logits_proces
     if max_new_tokens < 1:
         raise ValueError(f"max_length={generation_config.max_length} leaves no room after the prompt of "
                          f"{input_ids.shape[1]} tokens: pass max_new_tokens instead")
-    out = medusa.generate(input_ids, model_kwargs.get("attention_mask"), max_new_tokens,
-                          do_sample=generation_config.do_sample, temperature=generation_config.temperature,
-                          top_k=generation_config.top_k, top_p=generation_config.top_p,
-                          eos_token_id=generation_config.eos_token_id, pad_token_id=generation_config.pad_token_id,
-                          tree=tree, streamer=streamer)
+    # The settings transformers merged from the call's options and the model's generation_config, not the model's
+    # alone: a call's repetition_penalty=1.0 lifts the model's 1.3. num_return_sequences: transformers has repeated
+    # the rows already.
+    settings = copy.deepcopy(generation_config)
+    settings.num_return_sequences = 1
+    out = medusa.generate(input_ids, model_kwargs.get("attention_mask"), max_new_tokens, tree=tree, streamer=streamer,
+                          generation_config=settings)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out.sequences)
     return out.sequences

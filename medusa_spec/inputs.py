@@ -3,8 +3,11 @@ tensors, the sampling settings, the special tokens."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from .accept import Sampling
 from .base import model_device_dtype
@@ -95,11 +98,30 @@ UNSUPPORTED_PROCESSORS = (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 
                           ("constraints", None), ("force_words_ids", None))
 
 
-def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, top_k=None, top_p=None) -> Sampling:
+def settings_of(base_model: nn.Module, generation_config=None):
+    """The GenerationConfig a call decodes by: the base model's own (or None), or where the caller passes one (as to
+    transformers' generate, or the one transformers merged from a call's options), that one with what it leaves
+    unset (None) taken from the model's, as transformers' generate merges them (_prepare_generation_config)."""
+    own = getattr(base_model, "generation_config", None)
+    if generation_config is None:
+        return own
+    if not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig, got "
+                        f"{type(generation_config).__name__}; for a dict, pass GenerationConfig(**settings)")
+    merged = copy.deepcopy(generation_config)
+    if own is not None:
+        merged.update(**own.to_dict(), defaults_only=True)
+    return merged
+
+
+def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, top_k=None, top_p=None,
+                     generation_config=None) -> Sampling:
     """The distribution `base_model.generate` would sample with the same arguments: each one given here,
-    else the model's generation_config, else transformers' default (top_k=50); top_k=0 / top_p=1 disable.
+    else the generation_config (settings_of), else transformers' default (top_k=50); top_k=0 / top_p=1 disable.
     A generation_config that also sets a processor medusa_spec does not apply (repetition_penalty, ...) is refused."""
-    gen_config = getattr(base_model, "generation_config", None)
+    gen_config = settings_of(base_model, generation_config)
+    where = "the base model's generation_config" if generation_config is None else "generation_config"
+    fix = "base_model.generation_config" if generation_config is None else "generation_config"
     given = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     resolved = {}
     for name, default in TRANSFORMERS_SAMPLING_DEFAULTS:
@@ -113,16 +135,16 @@ def resolve_sampling(base_model: nn.Module, do_sample=None, temperature=None, to
         value = getattr(gen_config, name, None)
         if value is not None and value != neutral:
             when = "when sampling " if name in dict(UNSUPPORTED_WARPERS) else ""
-            raise ValueError(f"the base model's generation_config sets {name}={value!r}, which transformers' generate "
-                             f"applies {when}and medusa_spec does not (it decodes with temperature, top_k and top_p "
-                             f"only), so the output would not be the model's; set base_model.generation_config.{name} "
-                             f"= {neutral!r} to decode without it")
+            raise ValueError(f"{where} sets {name}={value!r}, which transformers' generate applies {when}and "
+                             f"medusa_spec does not (it decodes with temperature, top_k and top_p only), so the output "
+                             f"would not be the model's; set {fix}.{name} = {neutral!r} to decode without it")
     return Sampling(resolved["do_sample"], resolved["temperature"], resolved["top_k"], resolved["top_p"])
 
 
-def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
-    """(eos ids, pad id), defaulting to the base model's generation_config; eos_token_id=[] never stops early."""
-    gen_config = getattr(base_model, "generation_config", None)
+def special_tokens(base_model: nn.Module, eos_token_id, pad_token_id,
+                   generation_config=None) -> tuple[list[int], int | None]:
+    """(eos ids, pad id), defaulting to the generation_config (settings_of); eos_token_id=[] never stops early."""
+    gen_config = settings_of(base_model, generation_config)
     if eos_token_id is None:
         eos_token_id = getattr(gen_config, "eos_token_id", None)
     if pad_token_id is None:
@@ -155,13 +177,13 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer, eos_token_id: list[int],
-                   pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                   pad_token_id: int | None, generation_config=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Checked inputs on the model's device: (input_ids, attention_mask as bool, max_new_tokens). Without an
     attention_mask, padding is inferred from pad_token_id as transformers' generate infers it. max_new_tokens None:
-    the model's generation_config.max_new_tokens, as transformers' generate reads it, else DEFAULT_MAX_NEW_TOKENS
-    (where transformers would fall back to generation_config.max_length, 20 unless set)."""
+    the generation_config's max_new_tokens (settings_of), as transformers' generate reads it, else
+    DEFAULT_MAX_NEW_TOKENS (where transformers would fall back to generation_config.max_length, 20 unless set)."""
     if max_new_tokens is None:
-        configured = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
+        configured = getattr(settings_of(model, generation_config), "max_new_tokens", None)
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS if configured is None else configured
     max_new_tokens = _check_inputs(input_ids, attention_mask, max_new_tokens, streamer,
                                    model.get_input_embeddings().num_embeddings)

@@ -100,13 +100,15 @@ def eval_mode(module: nn.Module | None) -> Iterator[None]:
 def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids: torch.Tensor,
            attention_mask: torch.Tensor | None, max_new_tokens: int | None, sampling: Sampling, eos_token_id: list[int],
            pad_token_id: int | None, streamer: Streamer | None = None,
-           timer: StepTimer | None = None, packs: PackedWeights | None = None) -> GenerateOutput:
+           timer: StepTimer | None = None, packs: PackedWeights | None = None,
+           generation_config=None) -> GenerateOutput:
     """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate.
     `timer`: a StepTimer to charge each stage's time to (None: no laps, no extra device syncs). `packs`: the base
-    model's packed weights, kept by the caller from call to call (see columnwise.PackedWeights)."""
+    model's packed weights, kept by the caller from call to call (see columnwise.PackedWeights). `generation_config`:
+    where max_new_tokens=None is read (inputs.settings_of)."""
     start = time.perf_counter()
     input_ids, attention_mask, max_new_tokens = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens,
-                                                               streamer, eos_token_id, pad_token_id)
+                                                               streamer, eos_token_id, pad_token_id, generation_config)
     # Every model that sees the positions (the base, a draft model) must embed them: the lowest limit caps them.
     limits = [last_position(m, attention_mask, max_new_tokens) for m in (base_model, *proposer.modules)]
     max_position = min((limit for limit in limits if limit is not None), default=None)

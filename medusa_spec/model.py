@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from . import autotree, formats, io
 from .base import BaseSpec, inspect_base_model, model_device_dtype
@@ -176,13 +177,17 @@ class MedusaModel(nn.Module):
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, tree: list[list[int]] | None = None, streamer: Streamer | None = None,
                  lookup_tokens: int = 0, documents: list[list[int] | torch.Tensor] | None = None,
-                 timer: StepTimer | None = None) -> GenerateOutput:
+                 timer: StepTimer | None = None, generation_config: GenerationConfig | None = None) -> GenerateOutput:
         """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
 
-        max_new_tokens: None takes the base model's generation_config.max_new_tokens, else 128.
+        generation_config: read in place of the base model's own, as transformers' generate takes it; the settings
+        below that a call leaves out come from it, and one it sets that medusa_spec does not apply
+        (repetition_penalty, num_beams, ...) is refused.
+
+        max_new_tokens: None takes the generation_config's max_new_tokens, else 128.
 
         do_sample, temperature, top_k, top_p: as in transformers' generate, each one not given comes from the
-        base model's generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0
+        generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0
         and top_p=1.0 turn those filters off. eos_token_id / pad_token_id default to the generation_config (pass
         eos_token_id=[] to never stop early). `tree`: rank paths; None (default) picks one, see default_choices:
         with the adapter's rank accuracies, the tree with the most expected tokens per second for step costs
@@ -197,8 +202,8 @@ class MedusaModel(nn.Module):
         the mode they were in.
         """
         _check_heads_follow(self.base_model, self.heads)
-        sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p)
-        eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id)
+        sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p, generation_config)
+        eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id, generation_config)
         spec = self.spec
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
         rank_accuracy = self._rank_accuracy()
@@ -212,7 +217,7 @@ class MedusaModel(nn.Module):
             proposer = heads_proposer(self.base_model, self.heads, self.tree(tree, batch))
         proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
-                      streamer, timer, self._packed_weights)
+                      streamer, timer, self._packed_weights, generation_config)
 
 
 def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:

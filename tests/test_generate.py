@@ -1,13 +1,15 @@
 """Greedy speculative generation is token-identical to transformers' greedy generate."""
 
+import functools
 import inspect
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
-from medusa_spec import MedusaConfig, MedusaModel, generate_with_draft
+from medusa_spec import MedusaConfig, MedusaModel, generate_with_draft, generate_with_lookup
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
 TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
@@ -431,3 +433,30 @@ def test_max_new_tokens_left_out_follows_the_models_generation_config():
     assert generate_with_draft(model, tiny_model("llama", seed=1), ids, eos_token_id=[]).stats.new_tokens == [9]
     model.generation_config.max_new_tokens = None
     assert medusa(model).generate(ids, eos_token_id=[], tree=[]).stats.new_tokens == [128]
+
+
+def test_a_generation_config_passed_is_read_in_place_of_the_models():
+    """As transformers' generate(generation_config=...): what it sets wins over the model's generation_config (its
+    max_new_tokens, its repetition_penalty=1.0 lifting the model's), what it leaves unset comes from the model's;
+    in all three entry points."""
+    model = tiny_model("llama")
+    ids = prompt(seed=2)
+    model.generation_config.max_new_tokens = 9
+    model.generation_config.repetition_penalty = 1.3  # the model's own would be refused
+    settings = GenerationConfig(max_new_tokens=5, eos_token_id=None, repetition_penalty=1.0)
+    expected = reference_generate(model, ids, generation_config=settings)
+    assert expected.shape[1] == ids.shape[1] + 5
+    draft = tiny_model("llama", seed=1)
+    entries = (medusa(model).generate, functools.partial(generate_with_lookup, model),
+               functools.partial(generate_with_draft, model, draft))
+    for generate in entries:
+        assert torch.equal(generate(ids, generation_config=settings).sequences, expected)
+    unset = GenerationConfig(eos_token_id=None, repetition_penalty=1.0)  # max_new_tokens: the model's 9
+    for generate in entries:
+        assert generate(ids, generation_config=unset).stats.new_tokens == [9]
+    with pytest.raises(ValueError, match=r"^generation_config sets repetition_penalty=1.3.*set "
+                                         r"generation_config.repetition_penalty = 1.0"):  # unset: the model's
+        medusa(model).generate(ids, generation_config=GenerationConfig(max_new_tokens=5))
+    with pytest.raises(TypeError, match=r"generation_config must be a transformers GenerationConfig, got dict; "
+                                        r"for a dict, pass GenerationConfig\(\*\*settings\)"):
+        medusa(model).generate(ids, generation_config={"max_new_tokens": 5})

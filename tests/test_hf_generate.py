@@ -98,6 +98,20 @@ def test_generation_config_argument_and_the_models_own_are_honoured(route):
 
 
 @pytest.mark.parametrize("route", ROUTES)
+def test_a_calls_option_lifts_a_processor_the_models_generation_config_sets(route):
+    """Qwen2.5-Instruct ships repetition_penalty=1.05: a call's repetition_penalty=1.0 turns it off in transformers'
+    generate, and so here (the merged settings are read, not the model's own)."""
+    model = tiny_model("llama")
+    mm = medusa(model)
+    ids = prompt(seed=6)
+    model.generation_config.repetition_penalty = 1.3
+    ours = model.generate(ids, max_new_tokens=8, repetition_penalty=1.0, medusa_heads=mm, **ROUTES[route])
+    assert torch.equal(ours, plain(model, ids, max_new_tokens=8, repetition_penalty=1.0))
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):  # left on, it is still refused
+        model.generate(ids, max_new_tokens=8, medusa_heads=mm, **ROUTES[route])
+
+
+@pytest.mark.parametrize("route", ROUTES)
 def test_return_dict_in_generate_gives_transformers_output(route):
     model = tiny_model("llama")
     mm = medusa(model)
