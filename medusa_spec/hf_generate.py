@@ -79,8 +79,12 @@ def medusa_decoding(model: nn.Module, input_ids: torch.LongTensor, logits_proces
     # the rows already.
     settings = copy.deepcopy(generation_config)
     settings.num_return_sequences = 1
-    out = medusa.generate(input_ids, model_kwargs.get("attention_mask"), max_new_tokens, tree=tree, streamer=streamer,
-                          generation_config=settings)
+    # No mask here means all ones: transformers prepares one for every call (inferring it where none is given) and
+    # may leave out an all-ones one (GenerationMixin.generate, _mask_length); a None would have prepare_inputs infer
+    # padding from pad_token_id in the prompt again.
+    mask = model_kwargs.get("attention_mask")
+    out = medusa.generate(input_ids, torch.ones_like(input_ids) if mask is None else mask, max_new_tokens, tree=tree,
+                          streamer=streamer, generation_config=settings)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out.sequences)
     return out.sequences

@@ -40,19 +40,20 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens, streamer, vocab_siz
     return max_new_tokens
 
 
-def _check_padding(attention_mask: torch.Tensor, source: str) -> None:
-    """`source`: where the mask came from, for the message."""
+def _check_padding(attention_mask: torch.Tensor, source: str, sliding_window: int | None) -> None:
+    """`source`: where the mask came from, for the message; `sliding_window`: the base model's, if any."""
     if not bool((attention_mask.sum(-1) > 0).all()):
         raise ValueError(f"a row of {source} is all padding: every prompt needs at least one token")
     if not bool(attention_mask[:, -1].bool().all()):
         raise ValueError(f"prompts must be left-padded, but {source} makes the last token of a row padding: "
                          f"set tokenizer.padding_side = 'left'")
-    # Padding between a row's tokens: a sliding window counts cache slots in transformers and positions here, so
-    # windowed models would decode otherwise; tokenizers never write such a mask.
+    # Padding between a row's tokens: positions skip it as in transformers, but transformers' sliding window counts
+    # cache slots where this library counts positions, so a windowed model would decode otherwise.
     inside = (attention_mask.cumsum(-1) > 0) & ~attention_mask.bool()
-    if bool(inside.any()):
+    if sliding_window is not None and bool(inside.any()):
         row = int(inside.any(-1).nonzero()[0])
-        raise ValueError(f"row {row} of {source} masks tokens between its first and last token: prompts must be "
+        raise ValueError(f"row {row} of {source} masks tokens between its first and last token, which this model's "
+                         f"sliding window ({sliding_window}) would count otherwise than transformers: prompts must be "
                          f"left padding, then the prompt's tokens; drop the masked tokens from the prompt, or pass an "
                          f"attention_mask that keeps them")
 
@@ -94,7 +95,7 @@ UNSUPPORTED_PROCESSORS = (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 
                           ("remove_invalid_values", False), ("guidance_scale", 1), ("watermarking_config", None),
                           ("stop_strings", None), ("max_time", None), ("encoder_repetition_penalty", 1.0),
                           ("encoder_no_repeat_ngram_size", 0), ("num_return_sequences", 1), ("num_beams", 1),
-                          ("num_beam_groups", 1), ("penalty_alpha", 0.0), ("dola_layers", None),
+                          ("penalty_alpha", 0.0), ("dola_layers", None),
                           ("constraints", None), ("force_words_ids", None))
 
 
@@ -177,7 +178,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, streamer, eos_token_id: list[int],
-                   pad_token_id: int | None, generation_config=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                   pad_token_id: int | None, generation_config=None,
+                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Checked inputs on the model's device: (input_ids, attention_mask as bool, max_new_tokens). Without an
     attention_mask, padding is inferred from pad_token_id as transformers' generate infers it. max_new_tokens None:
     the generation_config's max_new_tokens (settings_of), as transformers' generate reads it, else
@@ -192,6 +194,6 @@ def prepare_inputs(model: nn.Module, input_ids, attention_mask, max_new_tokens, 
         attention_mask = padding_mask(input_ids, eos_token_id, pad_token_id)
         source = (f"input_ids (with no attention_mask given, tokens equal to pad_token_id={pad_token_id} are padding, "
                   f"as in transformers' generate; pass the tokenizer's attention_mask)")
-    _check_padding(attention_mask, source)
+    _check_padding(attention_mask, source, sliding_window)
     device, _ = model_device_dtype(model)
     return input_ids.to(device=device, dtype=torch.long), attention_mask.to(device).bool(), max_new_tokens

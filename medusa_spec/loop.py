@@ -108,7 +108,8 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
     where max_new_tokens=None is read (inputs.settings_of)."""
     start = time.perf_counter()
     input_ids, attention_mask, max_new_tokens = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens,
-                                                               streamer, eos_token_id, pad_token_id, generation_config)
+                                                               streamer, eos_token_id, pad_token_id, generation_config,
+                                                               spec.sliding_window)
     # Every model that sees the positions (the base, a draft model) must embed them: the lowest limit caps them.
     limits = [last_position(m, attention_mask, max_new_tokens) for m in (base_model, *proposer.modules)]
     max_position = min((limit for limit in limits if limit is not None), default=None)

@@ -1,5 +1,6 @@
 """The examples run, and the README's API block is the quickstart's code."""
 
+import os
 import re
 import subprocess
 import sys
@@ -16,9 +17,12 @@ def test_quickstart_runs():
     assert "identical to transformers greedy: True" in done.stdout
 
 
+def readme_api_block() -> str:
+    return re.search(r"## Python API\n.*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+
+
 def test_readme_api_block_is_taken_from_the_quickstart():
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"## Python API\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    block = readme_api_block()
     example = {line.strip() for line in (ROOT / "examples" / "quickstart.py").read_text().splitlines()}
     stale = [line for line in block.splitlines() if line.strip() and line.strip() not in example]
     assert not stale, f"README's API block differs from examples/quickstart.py: {stale}"
@@ -27,7 +31,6 @@ def test_readme_api_block_is_taken_from_the_quickstart():
 def test_readme_api_block_runs_as_pasted(tmp_path):
     # Taken line by line from the quickstart is not enough: a name the quickstart defines on a line the block leaves
     # out (a `with` line) made the pasted block fail with a NameError.
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"## Python API\n.*?```python\n(.*?)```", readme, re.S).group(1)
-    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-c", readme_api_block()], capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})  # its heads folder lands here
     assert done.returncode == 0, done.stderr

@@ -460,3 +460,14 @@ def test_a_generation_config_passed_is_read_in_place_of_the_models():
     with pytest.raises(TypeError, match=r"generation_config must be a transformers GenerationConfig, got dict; "
                                         r"for a dict, pass GenerationConfig\(\*\*settings\)"):
         medusa(model).generate(ids, generation_config={"max_new_tokens": 5})
+
+
+def test_padding_between_tokens_decodes_as_transformers_on_full_attention():
+    """Positions skip masked tokens as transformers' do; only sliding windows (refused, test_inputs) count them."""
+    model = tiny_model("llama")
+    ids = prompt(seed=7, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, 3:6] = 0
+    expected = reference_generate(model, ids, mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    out = medusa(model).generate(ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0, tree=TREE)
+    assert torch.equal(out.sequences, expected)

@@ -112,6 +112,20 @@ def test_a_calls_option_lifts_a_processor_the_models_generation_config_sets(rout
 
 
 @pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("where", [0, 5])
+def test_an_all_ones_mask_keeps_a_prompts_pad_token(route, where):
+    """The pad id inside a prompt whose mask is all ones is a token, also where transformers leaves the all-ones mask
+    out of custom_generate's arguments (5.25 passes it on this route)."""
+    model = tiny_model("llama")
+    mm = medusa(model)
+    ids = prompt(seed=8)
+    ids[0, where] = 0  # the pad id
+    mask = torch.ones_like(ids)
+    ours = model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, medusa_heads=mm, **ROUTES[route])
+    assert torch.equal(ours, plain(model, ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0))
+
+
+@pytest.mark.parametrize("route", ROUTES)
 def test_return_dict_in_generate_gives_transformers_output(route):
     model = tiny_model("llama")
     mm = medusa(model)

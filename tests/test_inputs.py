@@ -83,11 +83,12 @@ def test_bad_prompts(mm):
     with pytest.raises(ValueError, match="all padding"):
         mm.generate(IDS.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
     # Padding between tokens: a sliding window would count it otherwise than transformers does.
-    with pytest.raises(ValueError, match=r"row 1 of attention_mask masks tokens between its first and last token: "
-                                         r"prompts must be left padding, then the prompt's tokens"):
-        mm.generate(IDS.repeat(2, 1), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 0, 1, 1]]))
+    windowed = MedusaModel.from_base(tiny_model("mistral"), MedusaConfig(num_heads=2))
+    with pytest.raises(ValueError, match=r"row 1 of attention_mask masks tokens between its first and last token, "
+                                         r"which this model's sliding window \(\d+\) would count otherwise"):
+        windowed.generate(IDS.repeat(2, 1), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 0, 1, 1]]))
     with pytest.raises(ValueError, match=r"row 0 of input_ids .*pad_token_id=0.* masks tokens between"):
-        mm.generate(torch.tensor([[5, 0, 7]]))
+        windowed.generate(torch.tensor([[5, 0, 7]]))
     with pytest.raises(ValueError, match="batch size 1"):
         mm.generate(IDS.repeat(2, 1), streamer=SimpleNamespace(put=print, end=print))
     with pytest.raises(ValueError, match=r"attention_mask must be a tensor of input_ids' shape \(1, 4\), got list"):

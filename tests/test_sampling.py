@@ -285,8 +285,11 @@ def test_a_processor_medusa_spec_does_not_apply_is_refused_greedy_too(name, valu
 
 def test_unsupported_settings_are_off_in_a_default_generation_config():
     defaults = GenerationConfig()
+    # What transformers fills in for unset settings before custom_generate sees the config.
+    filled = GenerationConfig._get_default_generation_params()
     for name, neutral in UNSUPPORTED_PROCESSORS + UNSUPPORTED_WARPERS:
         assert getattr(defaults, name) in (None, neutral), name
+        assert filled.get(name) in (None, neutral), name
 
 
 def test_a_sampling_warper_medusa_spec_does_not_apply_is_refused():
