@@ -77,7 +77,7 @@ def medusa_decoding(model: nn.Module, input_ids: torch.LongTensor, logits_proces
     # The settings transformers merged from the call's options and the model's generation_config, not the model's
     # alone: a call's repetition_penalty=1.0 lifts the model's 1.3. num_return_sequences: transformers has repeated
     # the rows already.
-    settings = copy.deepcopy(generation_config)
+    settings = copy.copy(generation_config)
     settings.num_return_sequences = 1
     # No mask here means all ones: transformers prepares one for every call (inferring it where none is given) and
     # may leave out an all-ones one (GenerationMixin.generate, _mask_length); a None would have prepare_inputs infer

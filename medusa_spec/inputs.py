@@ -49,8 +49,10 @@ def _check_padding(attention_mask: torch.Tensor, source: str, sliding_window: in
                          f"set tokenizer.padding_side = 'left'")
     # Padding between a row's tokens: positions skip it as in transformers, but transformers' sliding window counts
     # cache slots where this library counts positions, so a windowed model would decode otherwise.
+    if sliding_window is None:
+        return
     inside = (attention_mask.cumsum(-1) > 0) & ~attention_mask.bool()
-    if sliding_window is not None and bool(inside.any()):
+    if bool(inside.any()):
         row = int(inside.any(-1).nonzero()[0])
         raise ValueError(f"row {row} of {source} masks tokens between its first and last token, which this model's "
                          f"sliding window ({sliding_window}) would count otherwise than transformers: prompts must be "
@@ -109,7 +111,7 @@ def settings_of(base_model: nn.Module, generation_config=None):
     if not isinstance(generation_config, GenerationConfig):
         raise TypeError(f"generation_config must be a transformers GenerationConfig, got "
                         f"{type(generation_config).__name__}; for a dict, pass GenerationConfig(**settings)")
-    merged = copy.deepcopy(generation_config)
+    merged = copy.copy(generation_config)  # update() only sets attributes; the caller's config stays as it was
     if own is not None:
         merged.update(**own.to_dict(), defaults_only=True)
     return merged
