@@ -25,7 +25,7 @@ from .inputs import resolve_sampling, special_tokens
 from .kv_cache import new_cache
 from .loop import StepTimer, decode
 from .output import GenerateOutput, GenerationStats
-from .propose import Candidates, Prompt, Proposer, StepResult
+from .propose import Candidates, Prompt, Proposer, StepResult, tokens_left, tokens_left_after
 from .slots import prefill
 from .tree import Tree, chain_tree
 from .verify import forward_block
@@ -172,11 +172,12 @@ class DraftModelProposer(Proposer):
         self.first_offsets = torch.tensor([-1, 0], device=device)  # the unseen token and the root
         self.two_causal = torch.ones(2, 2, dtype=torch.bool, device=device).tril()
         self.one = torch.ones(1, 1, dtype=torch.bool, device=device)
+        self.tokens_left = tokens_left(prompt)
 
     def propose(self, root: torch.Tensor) -> Candidates:
         """K forwards of the draft model, each drawing x_i from q_i; the first one also feeds the unseen token,
         so the block's slots are [unseen, root, x_1, ..., x_{K-1}]."""
-        k = self.draft_length
+        k = min(self.draft_length, max(1, max(self.tokens_left) - 1))
         if k not in self.chain_trees:
             self.chain_trees[k] = chain_tree(k).to(root.device)
         chain = self.chain_trees[k]
@@ -206,8 +207,9 @@ class DraftModelProposer(Proposer):
     def update(self, step: StepResult) -> None:
         # The verify pass's time runs to here: it includes acceptance and the step's host sync.
         verified = self.clock.mark()
-        k = self.draft_length
+        k = self.draft_tokens.shape[1]
         host = step.host
+        self.tokens_left = tokens_left_after(self.tokens_left, host)
         self.accepted += sum(a for a, active in zip(host.accept_length, host.active) if active)
         self.rejected += sum(a < k for a, active in zip(host.accept_length, host.active) if active)
         self.draft_time += self.clock.seconds(self.step_start, self.drafted)

@@ -17,7 +17,7 @@ import torch
 
 from .inputs import check_token_ids
 from .output import GenerationStats
-from .propose import Candidates, Prompt, Proposer, RootOnly, StepResult
+from .propose import Candidates, Prompt, Proposer, RootOnly, StepResult, tokens_left, tokens_left_after
 from .tree import Tree, chain_tree
 
 DEFAULT_MAX_NGRAM = 3
@@ -228,18 +228,22 @@ class WithLookup(Proposer):
         self.root_alone = chain_tree(0).to(prompt.root.device)
         self.length = self.chain_length
         self.lengths: list[int] = []  # the chain's length in each step that had one
+        self.tokens_left = tokens_left(prompt)
 
     def propose(self, root: torch.Tensor) -> Candidates:
         candidates = self.proposer.propose(root)  # drafted even when unused: the proposer's state follows each step
         num_tree_nodes = candidates.tree.num_nodes
         self.chain_start = num_tree_nodes
-        chain_tokens, has_match = self.lookup.chains(root.device, self.length)
+        cap = min(self.chain_length, max(self.tokens_left) - 1)
+        if cap < 1:
+            return candidates
+        chain_tokens, has_match = self.lookup.chains(root.device, min(self.length, cap))
         length = chain_tokens.shape[1]
         if not length:
             return candidates
         if num_tree_nodes > 1 and all(self.lookup.found):  # a chain in every row: it alone, in the tree's rows
-            if length < min(num_tree_nodes - 1, self.chain_length):
-                chain_tokens, has_match = self.lookup.chains(root.device, min(num_tree_nodes - 1, self.chain_length))
+            if length < min(num_tree_nodes - 1, cap):
+                chain_tokens, has_match = self.lookup.chains(root.device, min(num_tree_nodes - 1, cap))
                 length = chain_tokens.shape[1]
             num_tree_nodes = self.chain_start = 1
             candidates = Candidates(root[:, None], self.root_alone)
@@ -263,6 +267,7 @@ class WithLookup(Proposer):
                               for chain, active, emitted in zip(self.lookup.found, step.host.active, step.host.emitted))
             self.length = next_chain_length(self.length, taken_whole, self.chain_length)
         self.lookup.extend(step.host.emitted)
+        self.tokens_left = tokens_left_after(self.tokens_left, step.host)
 
     def finish(self, stats: GenerationStats) -> None:
         self.proposer.finish(stats)

@@ -140,7 +140,7 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         synced = torch.cat([writer.finished.all()[None].long(), count[:1]]).tolist()
         done = bool(synced[0])
         stream(streamer, root[:, None], synced[1])
-        proposer.start(Prompt(input_ids, attention_mask, hidden, root, max_position))
+        proposer.start(Prompt(input_ids, attention_mask, hidden, root, max_position, max_new_tokens - 1))
         lap("prefill")
 
         while not done:

@@ -15,6 +15,7 @@ their draft layer over the nodes of the level above.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,13 +50,14 @@ class Candidates:
 class Prompt:
     """What prefill leaves for a proposer's start: input_ids / attention_mask [B, S] (left-padded, bool),
     the base model's final hidden states [B, S, H] (then those of the proposer's feature_layers), the first
-    root [B], the highest position to use."""
+    root [B], the highest position to use, and the tokens a row may still emit after the root (None: no limit)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     hidden: torch.Tensor
     root: torch.Tensor
     max_position: int | None
+    tokens_left: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,17 @@ class HostStep:
     accept_length: list[int]
     active: list[bool]
     emitted: list[list[int]]
+
+
+def tokens_left(prompt: Prompt) -> list[float]:
+    """Each row's tokens left to emit after the prompt's root (inf: no limit). A step emits its accepted candidates
+    and one token more, so a draft deeper than the most any row has left - 1 is verified and never kept."""
+    return [math.inf if prompt.tokens_left is None else prompt.tokens_left] * prompt.root.shape[0]
+
+
+def tokens_left_after(left: list[float], host: HostStep) -> list[float]:
+    """`left` after a step: less what each row emitted; 0 for rows that were not generating in it."""
+    return [n - len(emitted) if active else 0 for n, emitted, active in zip(left, host.emitted, host.active)]
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ def test_draft_greedy_identity(draft, num_draft_tokens):
     assert out.stats.new_tokens == [30]
     assert len(out.stats.draft_lengths) == out.stats.steps - 1
     if num_draft_tokens is not None:
-        assert set(out.stats.draft_lengths) == {num_draft_tokens}
+        # The last K steps at most draft fewer: no draft is longer than the tokens left - 1.
+        assert set(out.stats.draft_lengths[:-num_draft_tokens]) == {num_draft_tokens}
 
 
 def test_draft_that_is_always_right_gives_k_plus_one_tokens_per_step():
@@ -134,10 +135,13 @@ def sample_draft_triples(monkeypatch_rule=None, sampling=SETTINGS[0], num_draft_
     draft = tiny_model("llama", seed=1, vocab_size=SMALL_VOCAB)
     start = torch.tensor([[3, 5, 4, 1]])
     torch.manual_seed(seed)
-    out = generate_with_draft(model, draft, start.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True,
+    # One token past the NEW counted: a draft is capped at the tokens left - 1, and the first step's 2-token draft
+    # is what the rule's deeper acceptance needs.
+    out = generate_with_draft(model, draft, start.expand(ROWS, -1), max_new_tokens=NEW + 1, do_sample=True,
                               temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                               eos_token_id=[], num_draft_tokens=num_draft_tokens)
-    return triple_counts(out.sequences[:, start.shape[1]:]), exact_joint(model, start, sampling), out.stats
+    counted = out.sequences[:, start.shape[1]: start.shape[1] + NEW]
+    return triple_counts(counted), exact_joint(model, start, sampling), out.stats
 
 
 @pytest.mark.parametrize("sampling", SETTINGS, ids=str)
@@ -307,6 +311,29 @@ def test_lookup_copies_from_documents():
     assert out.stats.tokens_per_step > 5
 
 
+def test_draft_no_longer_than_the_tokens_left():
+    """As transformers' assisted decoding caps its draft: 4 new tokens, the root takes one, so the draft model
+    drafts 3 - 1 = 2 tokens, not the 5 asked for (which it would draft one forward at a time, for nothing)."""
+    model = tiny_model("llama")
+    ids = prompt(seed=6)
+    out = generate_with_draft(model, model, ids, max_new_tokens=4, eos_token_id=[], num_draft_tokens=5)
+    assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=4, eos_token_id=None))
+    assert out.stats.draft_lengths == [2]  # the draft is the model itself: 2 accepted and the bonus, done
+
+
+def test_lookup_chain_no_longer_than_the_tokens_left():
+    """A step emits its accepted tokens and one more, so a chain past the tokens left - 1 verifies rows that can
+    never be kept: with 7 new tokens the root takes one, and the first chain has 6 - 1 = 5 tokens, not 10."""
+    model = tiny_model("llama")
+    ids = prompt(seed=6)
+    expected = reference_generate(model, ids, max_new_tokens=7, eos_token_id=None)
+    document = reference_generate(model, ids, max_new_tokens=40, eos_token_id=None)[0, 3:].tolist()
+    out = generate_with_lookup(model, ids, max_new_tokens=7, eos_token_id=[], lookup_tokens=10,
+                               documents=[torch.tensor(document)])
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.draft_lengths == [5] and out.stats.steps == 2  # prefill, then one step takes all 6
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "opt"])
 def test_medusa_tree_plus_lookup_greedy_identity(arch):
     model = tiny_model(arch)
@@ -349,10 +376,13 @@ def sample_lookup_triples(sampling, monkeypatch):
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))  # zero-init heads guess plausible tokens
     start = torch.tensor([[3, 5, 4, 1]])
     torch.manual_seed(0)
-    out = generate_with_lookup(mm, start.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True,
+    # Two tokens past the NEW counted: a chain is capped at the tokens left - 1, and the first step's 3-token chain
+    # (2 deeper than the heads' nodes) is what the tie-breaks guard.
+    out = generate_with_lookup(mm, start.expand(ROWS, -1), max_new_tokens=NEW + 2, do_sample=True,
                                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                eos_token_id=[], lookup_tokens=3, tree=[[0], [1], [2], [0, 0], [1, 0]])
-    return triple_counts(out.sequences[:, start.shape[1]:]), exact_joint(model, start, sampling), out.stats
+    counted = out.sequences[:, start.shape[1]: start.shape[1] + NEW]
+    return triple_counts(counted), exact_joint(model, start, sampling), out.stats
 
 
 @pytest.mark.parametrize("sampling", SETTINGS[:3], ids=str)
