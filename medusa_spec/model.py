@@ -39,7 +39,8 @@ class MedusaModel(nn.Module):
 
     def __init__(self, base_model: nn.Module, config: MedusaConfig, heads: MedusaHeads):
         super().__init__()
-        inspect_base_model(base_model)  # refuse a model it cannot drive now, not at the first generate()
+        spec = inspect_base_model(base_model)  # refuse a model it cannot drive now, not at the first generate()
+        _check_heads_match(config, heads, spec)
         self.base_model = base_model
         self.config = config
         self.heads = heads
@@ -235,6 +236,32 @@ def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:
         if got is not None and got != expected:
             raise ValueError(f"{source}: heads have {name}={got} but the base model has {expected}; "
                              f"these heads belong to another model ({config.base_model_name_or_path or 'unknown'})")
+
+
+def _check_heads_match(config: MedusaConfig, heads: MedusaHeads, spec: BaseSpec) -> None:
+    """Refuse `heads` that are not what `config` describes for this base model (a MedusaModel built by hand from
+    parts that do not belong together): generate would read the config's tree and sizes and fail deep inside torch,
+    and save_heads would write a config that does not load the weights."""
+    if not isinstance(config, MedusaConfig):
+        raise TypeError(f"config must be a MedusaConfig, got {type(config).__name__}")
+    if not isinstance(heads, MedusaHeads):
+        raise TypeError(f"heads must be MedusaHeads, got {type(heads).__name__}; build a MedusaModel with "
+                        f"MedusaModel.from_base(base_model, config) or MedusaModel.from_pretrained(base_model, path)")
+    _check_sizes(config, spec, source="MedusaConfig")
+    with torch.device("meta"):  # the shapes config describes, without allocating them
+        described = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
+                                config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
+                                config.feature_layers, config.draft_layer)
+    want = {name: tuple(t.shape) for name, t in described.state_dict().items()}
+    got = {name: tuple(t.shape) for name, t in heads.state_dict().items()}
+    if want != got:
+        differ = sorted(set(want) ^ set(got)) or [name for name in want if want[name] != got[name]]
+        raise ValueError(f"heads do not match config (num_heads={config.num_heads}, num_layers={config.num_layers}, "
+                         f"head_type={config.head_type!r}, share_lm_head={config.share_lm_head}, draft_vocab_size="
+                         f"{config.draft_vocab_size}) on this base model (hidden_size={spec.hidden_size}, vocab_size="
+                         f"{spec.vocab_size}): {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''} differ; build "
+                         f"both with MedusaModel.from_base(base_model, config), or load saved heads with "
+                         f"MedusaModel.from_pretrained(base_model, path)")
 
 
 def _check_heads_follow(base_model: nn.Module, heads: nn.Module) -> None:

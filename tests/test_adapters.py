@@ -156,6 +156,26 @@ def test_size_mismatch_is_an_error(tmp_path):
         MedusaModel.from_pretrained(tiny_base(vocab_size=80), tmp_path)
 
 
+def test_a_model_built_by_hand_from_parts_that_do_not_fit_is_refused():
+    """MedusaModel(base, config, heads) is public: heads that are not what config describes on this base failed at
+    the first generate, deep inside torch (or saved a config that does not load the weights)."""
+    base = tiny_base()
+    heads = random_medusa(base, num_heads=2).heads
+    with pytest.raises(ValueError, match=r"heads do not match config \(num_heads=3.*blocks.2.layers.0.bias.*differ; "
+                                         r"build both with MedusaModel.from_base"):
+        MedusaModel(base, MedusaConfig(num_heads=3), heads)
+    with pytest.raises(ValueError, match=r"heads do not match config .*hidden_size=48"):
+        MedusaModel(tiny_base(hidden_size=48), MedusaConfig(num_heads=2), heads)
+    with pytest.raises(ValueError, match="heads have vocab_size=64 but the base model has 80"):
+        MedusaModel(tiny_base(vocab_size=80), random_medusa(base, num_heads=2).config, heads)
+    with pytest.raises(TypeError, match="heads must be MedusaHeads, got ModuleList"):
+        MedusaModel(base, MedusaConfig(num_heads=2), nn.ModuleList())
+    with pytest.raises(TypeError, match="config must be a MedusaConfig, got dict"):
+        MedusaModel(base, {"num_heads": 2}, heads)
+    model = MedusaModel(base, MedusaConfig(num_heads=2), heads)  # parts that fit
+    assert model.generate(PROMPT, max_new_tokens=4).sequences.shape == (2, PROMPT.shape[1] + 4)
+
+
 def test_other_base_model_name_warns(tmp_path):
     base = tiny_base()
     base.config._name_or_path = "org/llama-a"
