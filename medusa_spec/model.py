@@ -104,7 +104,8 @@ class MedusaModel(nn.Module):
                           f"not {spec.name_or_path!r}: acceptance may be poor", stacklevel=2)
         if "token_map" in state_dict:
             io.check_token_map(state_dict["token_map"], spec.vocab_size, source=str(path))
-        model = cls.from_base(base_model, config)
+        # Checked: from here the config describes heads on this base (a shared-LM-head adapter follows a resize).
+        model = cls.from_base(base_model, dataclasses.replace(config, vocab_size=spec.vocab_size))
         model.heads.load_state_dict(state_dict)  # names and shapes were checked against the config when read
         io.load_lora(base_model, path)  # last: the one step that changes base_model
         model.heads.bind_lm_head(base_model.get_output_embeddings())
@@ -233,9 +234,20 @@ def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:
                          f"use heads without feature_layers on it")
     for name, expected in (("hidden_size", spec.hidden_size), ("vocab_size", spec.vocab_size)):
         got = getattr(config, name)
-        if got is not None and got != expected:
-            raise ValueError(f"{source}: heads have {name}={got} but the base model has {expected}; "
-                             f"these heads belong to another model ({config.base_model_name_or_path or 'unknown'})")
+        if got is None or got == expected:
+            continue
+        if name == "vocab_size" and config.share_lm_head and expected > got:
+            # Such heads own no vocabulary matrix: they score through the base's LM head, whatever its size, and a
+            # resize_token_embeddings that added tokens (or padded to a multiple of 64) keeps the ids they learned.
+            # A smaller vocabulary is another model's. A token map's ids are checked where it is read.
+            warnings.warn(f"{source}: the heads were trained on a vocabulary of {got} tokens and the base model has "
+                          f"{expected} (resize_token_embeddings?); they score through its LM head, so they run, but "
+                          f"never learned to draft the {expected - got} tokens added", stacklevel=3)
+            continue
+        fix = (" (heads that share the base's LM head, share_lm_head=True, follow a resize_token_embeddings that "
+               "adds tokens)" if name == "vocab_size" else "")
+        raise ValueError(f"{source}: heads have {name}={got} but the base model has {expected}; these heads belong "
+                         f"to another model ({config.base_model_name_or_path or 'unknown'}){fix}")
 
 
 def _check_heads_match(config: MedusaConfig, heads: MedusaHeads, spec: BaseSpec) -> None:

@@ -152,8 +152,27 @@ def test_size_mismatch_is_an_error(tmp_path):
     random_medusa(tiny_base()).save_heads(tmp_path)
     with pytest.raises(ValueError, match="hidden_size=32 but the base model has 48"):
         MedusaModel.from_pretrained(tiny_base(hidden_size=48), tmp_path)
-    with pytest.raises(ValueError, match="vocab_size=64 but the base model has 80"):
-        MedusaModel.from_pretrained(tiny_base(vocab_size=80), tmp_path)
+    with pytest.raises(ValueError, match="vocab_size=64 but the base model has 48"):  # shared, but another model's
+        MedusaModel.from_pretrained(tiny_base(vocab_size=48), tmp_path)
+    random_medusa(tiny_base(), share_lm_head=False).save_heads(tmp_path / "own")
+    with pytest.raises(ValueError, match="vocab_size=64 but the base model has 80.*share_lm_head=True, follow a "
+                                         "resize_token_embeddings that adds tokens"):
+        MedusaModel.from_pretrained(tiny_base(vocab_size=80), tmp_path / "own")
+
+
+def test_heads_sharing_the_lm_head_follow_a_resize_that_adds_tokens(tmp_path):
+    """resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64) after training: heads that score through the
+    base's LM head keep working (they were refused), with a warning; generate is still the base's greedy output."""
+    random_medusa(tiny_base(), num_heads=2).save_heads(tmp_path)
+    base = tiny_base()
+    base.resize_token_embeddings(80, mean_resizing=False)
+    with pytest.warns(UserWarning, match="trained on a vocabulary of 64 tokens and the base model has 80 "
+                                         r"\(resize_token_embeddings\?\).*the 16 tokens added"):
+        model = MedusaModel.from_pretrained(base, tmp_path)
+    out = model.generate(PROMPT, max_new_tokens=12)
+    assert model.config.vocab_size == 80
+    expected = base.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, expected)
 
 
 def test_a_model_built_by_hand_from_parts_that_do_not_fit_is_refused():
@@ -166,8 +185,8 @@ def test_a_model_built_by_hand_from_parts_that_do_not_fit_is_refused():
         MedusaModel(base, MedusaConfig(num_heads=3), heads)
     with pytest.raises(ValueError, match=r"heads do not match config .*hidden_size=48"):
         MedusaModel(tiny_base(hidden_size=48), MedusaConfig(num_heads=2), heads)
-    with pytest.raises(ValueError, match="heads have vocab_size=64 but the base model has 80"):
-        MedusaModel(tiny_base(vocab_size=80), random_medusa(base, num_heads=2).config, heads)
+    with pytest.raises(ValueError, match="heads have vocab_size=64 but the base model has 48"):
+        MedusaModel(tiny_base(vocab_size=48), random_medusa(base, num_heads=2).config, heads)
     with pytest.raises(TypeError, match="heads must be MedusaHeads, got ModuleList"):
         MedusaModel(base, MedusaConfig(num_heads=2), nn.ModuleList())
     with pytest.raises(TypeError, match="config must be a MedusaConfig, got dict"):
