@@ -825,7 +825,10 @@ def test_exclude_trains_heads_on_conversations_their_record_does_not_list(base_d
     assert summary["eval_rows"] > 0 and listed <= both and len(both) == 6 + 8
 
     (tmp_path / "bad.txt").write_text("# keys\nnot-a-key\n")
+    (tmp_path / "other.txt").write_text("0123456789abcdef\n")  # another data folder's held-out set: would leak
     for files, error in [([tmp_path / "none.txt"], "no such file"), ([tmp_path / "bad.txt"], "bad.txt:2: 'not-a-key'"),
+                         ([record, tmp_path / "other.txt"], r"other.txt: none of its 1 conversation beginnings is in "
+                                                            r"--data's 24 conversations, so it would exclude nothing"),
                          ([record, second / loop.TRAINED_ON], "--eval-examples 10 leaves nothing to train on: the data "
                                                                "holds 10 conversations not excluded")]:
         with pytest.raises(ValueError, match=error):

@@ -388,8 +388,18 @@ def without_excluded(conversations: list[list[dict]], exclude: list[str], report
     """The conversations that begin as none listed in the `exclude` files (TRAINED_ON files) does."""
     if not exclude:
         return conversations
-    excluded = set().union(*(read_trained_on(path) for path in exclude))
-    kept = [m for m in conversations if conversation_key(m) not in excluded]
+    listed = {path: read_trained_on(path) for path in exclude}
+    keys = [conversation_key(m) for m in conversations]
+    present = set(keys)
+    for path, path_keys in listed.items():
+        # Such a file lists another data folder's conversations (or another key scheme's): what it was meant to
+        # keep out, a held-out set say, would be trained on without a word.
+        if path_keys and not path_keys & present:
+            raise ValueError(f"--exclude {path}: none of its {len(path_keys)} conversation beginnings is in --data's "
+                             f"{len(conversations)} conversations, so it would exclude nothing; give the "
+                             f"{TRAINED_ON} of a run on this data folder")
+    excluded = set().union(*listed.values())
+    kept = [m for m, key in zip(conversations, keys) if key not in excluded]
     report(f"--exclude: {len(conversations) - len(kept)} of {len(conversations)} conversations begin as one "
            f"listed ({len(excluded)} listed); {len(kept)} left")
     if not kept:
