@@ -271,8 +271,8 @@ def _check_heads_match(config: MedusaConfig, heads: MedusaHeads, spec: BaseSpec)
         raise ValueError(f"heads do not match config (num_heads={config.num_heads}, num_layers={config.num_layers}, "
                          f"head_type={config.head_type!r}, share_lm_head={config.share_lm_head}, draft_vocab_size="
                          f"{config.draft_vocab_size}) on this base model (hidden_size={spec.hidden_size}, vocab_size="
-                         f"{spec.vocab_size}): {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''} differ; build "
-                         f"both with MedusaModel.from_base(base_model, config), or load saved heads with "
+                         f"{spec.vocab_size}): {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''} differ; "
+                         f"build both with MedusaModel.from_base(base_model, config), or load saved heads with "
                          f"MedusaModel.from_pretrained(base_model, path)")
 
 

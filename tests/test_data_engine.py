@@ -292,6 +292,25 @@ def test_each_row_draws_as_its_requests_sampling_says():
     assert any(m[3] != greedy[3] for m in mixed)
 
 
+def test_a_sampled_answer_does_not_depend_on_its_row_or_what_ran_beside_it():
+    """A resumed distillation runs the requests left, in other rows, beside others, maybe at another --batch-size:
+    each request draws from its own stream (the seed and its key), so its answer is the one the first run would have
+    written; one generator shared by the rows in row order drew other answers."""
+    model = tiny_model("llama", lm_head_scale=1.0)
+    asks = prompts(6, seed=9)
+    hot = Sampling(True, 1.0)
+
+    def answers(keys, rows, seed=0):
+        requests = deque(Request(k, asks[k], hot, max_new_tokens=10) for k in keys)
+        return dict(decode_stream(model, requests, set(), rows=rows, max_new_tokens=10, seed=seed))
+
+    whole = answers(range(6), rows=4)
+    assert answers(range(3, 6), rows=2) == {k: whole[k] for k in range(3, 6)}  # resumed after 3, other rows
+    assert answers([5, 1, 4], rows=3) == {k: whole[k] for k in (5, 1, 4)}  # another order
+    assert answers(range(6), rows=4, seed=1) != whole  # the seed still changes them
+    assert len({tuple(tokens) for tokens in whole.values()}) == 6
+
+
 def test_a_prompt_asked_again_is_prefilled_once():
     """Model-written prompts all start from one opening: a request with the last prefilled prompt copies its cache
     and logits instead of running the model, answers as if prefilled itself, and still draws its own tokens."""

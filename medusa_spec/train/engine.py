@@ -25,6 +25,7 @@ would.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections import deque
 from collections.abc import Iterator
@@ -151,16 +152,25 @@ def _n_layers(model: nn.Module) -> int:
     return config.num_hidden_layers
 
 
-def _pick(logits: torch.Tensor, samplings: list[Sampling], generator) -> torch.Tensor:
+def _pick(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None]) -> torch.Tensor:
     """Next tokens [rows] from last-position logits [rows, V], row i drawn as samplings[i] says: argmax when
-    greedy, else from temperature, top-k and top-p as the decoding loop draws (accept.kept_scores)."""
+    greedy, else from temperature, top-k and top-p as the decoding loop draws (accept.kept_scores), with the row's
+    own generator."""
     tokens = logits.argmax(-1)
     for sampling in dict.fromkeys(s for s in samplings if s.do_sample):  # a few distinct settings, in row order
-        rows = torch.tensor([i for i, s in enumerate(samplings) if s == sampling], device=logits.device)
-        scores, ids = kept_scores(logits[rows], sampling)
-        drawn = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)
+        rows = [i for i, s in enumerate(samplings) if s == sampling]
+        scores, ids = kept_scores(logits[torch.tensor(rows, device=logits.device)], sampling)
+        probs = scores.softmax(dim=-1)
+        drawn = torch.cat([torch.multinomial(p, 1, generator=generators[row]) for p, row in zip(probs, rows)])[:, None]
         tokens[rows] = (drawn if ids is None else ids.gather(-1, drawn))[:, 0]
     return tokens
+
+
+def request_generator(seed: int, key, device: torch.device) -> torch.Generator:
+    """A request's own random stream, from `seed` and its key: what it draws does not depend on which row it got or
+    what else ran beside it, so a resumed run (other requests in flight, another --batch-size) draws the same."""
+    digest = hashlib.sha256(f"{seed}:{key!r}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _block_widths(start: torch.Tensor, size: int) -> torch.Tensor:
@@ -198,7 +208,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default the most
     any request queued at the start needs, its prompt + its max_new_tokens: pass it when later requests may need
     more); with stop_loops, also once it loops (repetition.LoopWatch), its tokens then cut where the loop began.
-    Each row draws as its request's `sampling` says. A decoding step's attention runs per block of `chunk_rows` rows
+    Each row draws as its request's `sampling` says, from a random stream of its own (`seed` and the request's key:
+    request_generator). A decoding step's attention runs per block of `chunk_rows` rows
     (see the module's docstring), where the model is fp32 on CPU and its attention layers sdpa ones.
     """
     if max_new_tokens < 1:
@@ -219,13 +230,13 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     # No more cache rows than requests to fill them: 40 prompts at --batch-size 2000 took 1.5 GB instead of 0.5.
     # (A caller adds a conversation's next turn as its row ends, so the queue at the start bounds the rows in use.)
     rows = max(1, min(rows, len(requests)))
-    generator = torch.Generator(device=device).manual_seed(seed)
     cache = Slots(_n_layers(model), rows, capacity)
     eos = torch.tensor(sorted(eos_token_ids), device=device)
     length = torch.zeros(rows, dtype=torch.long, device=device)   # valid columns per row
     last = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)  # the token to feed next
     active = [None] * rows  # per row: (key, new tokens) or None when free
     sampling = [GREEDY] * rows
+    generators: list[torch.Generator | None] = [None] * rows  # a sampling row's request_generator
     limit = [max_new_tokens] * rows
     watch: list[LoopWatch | None] = [None] * rows
     columns = torch.arange(capacity, device=device)
@@ -264,8 +275,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 last_prefill.update(ids=request.input_ids, row=row, logits=out.logits[:, -1])
             held[row] = request.input_ids
             sampling[row] = request.sampling
+            generators[row] = request_generator(seed, request.key, device) if request.sampling.do_sample else None
             limit[row] = request.max_new_tokens or max_new_tokens
-            first = _pick(last_prefill["logits"], [request.sampling], generator)
+            first = _pick(last_prefill["logits"], [request.sampling], generators[row: row + 1])
             length[row], last[row] = n, first[0]
             active[row] = (request.key, [int(first[0])])
             watch[row] = LoopWatch() if stop_loops else None
@@ -314,7 +326,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             if order is not None:
                 moved = order.tolist()
                 cache.reorder(moved, start.tolist())  # a free row (start 0) holds nothing kept
-                for per_row in (active, sampling, limit, watch, held):
+                for per_row in (active, sampling, generators, limit, watch, held):
                     per_row[:] = [per_row[i] for i in moved]
                 length, last, start, busy = length[order], last[order], start[order], busy[order]
                 if "row" in last_prefill:
@@ -328,7 +340,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                                columns[None, :width], dtype)
             out = runner(input_ids=last[:n, None], attention_mask=mask, position_ids=start[:, None],
                          use_cache=True, **{spec.cache_arg: cache}, **blocks)
-            nxt = _pick(out.logits[:, -1], sampling[:n], generator)
+            nxt = _pick(out.logits[:, -1], sampling[:n], generators[:n])
             length[:n] += busy.long()
             last[:n] = torch.where(busy, nxt, last[:n])
             done = busy & (torch.isin(nxt, eos) | (length[:n] >= capacity))  # no free column to feed nxt into
