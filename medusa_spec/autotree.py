@@ -111,7 +111,7 @@ def deepest_step(candidates: Candidates, hidden: torch.Tensor, bonus: torch.Tens
     path = tree.node_paths[last_node]  # [B, D+1]: the root and every node of the path
     new_tokens = torch.cat([candidates.node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
     row = torch.ones_like(bonus, dtype=torch.bool)
-    host = HostStep(accept_length.tolist(), row.tolist(), new_tokens.tolist())
+    host = HostStep(accept_length.tolist(), row.tolist(), new_tokens.tolist(), row.tolist())
     return StepResult(candidates, hidden, last_node, accept_length, path, new_tokens, row, row, host)
 
 

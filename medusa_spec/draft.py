@@ -177,10 +177,13 @@ class DraftModelProposer(Proposer):
     def propose(self, root: torch.Tensor) -> Candidates:
         """K forwards of the draft model, each drawing x_i from q_i; the first one also feeds the unseen token,
         so the block's slots are [unseen, root, x_1, ..., x_{K-1}]."""
-        k = min(self.draft_length, max(1, max(self.tokens_left) - 1))
+        k = max(0, min(self.draft_length, max(self.tokens_left) - 1))
         if k not in self.chain_trees:
             self.chain_trees[k] = chain_tree(k).to(root.device)
         chain = self.chain_trees[k]
+        if not k:  # one token left in every row (the call's last step): the base's own, nothing to draft
+            self.draft_tokens = root.new_empty((root.shape[0], 0))
+            return Candidates(root[:, None], chain)
         self.step_start = self.clock.mark()
         model, spec, slots = self.draft_model, self.draft_spec, self.slots
         q_pos, kv_valid, kv_pos = slots.verify_inputs(
@@ -206,8 +209,11 @@ class DraftModelProposer(Proposer):
 
     def update(self, step: StepResult) -> None:
         # The verify pass's time runs to here: it includes acceptance and the step's host sync.
-        verified = self.clock.mark()
         k = self.draft_tokens.shape[1]
+        self.draft_lengths.append(k)
+        if not k:  # nothing drafted, nothing timed; no row goes on
+            return
+        verified = self.clock.mark()
         host = step.host
         self.tokens_left = tokens_left_after(self.tokens_left, host)
         self.accepted += sum(a for a, active in zip(host.accept_length, host.active) if active)
@@ -215,7 +221,6 @@ class DraftModelProposer(Proposer):
         self.draft_time += self.clock.seconds(self.step_start, self.drafted)
         self.draft_forwards += k
         self.verify_time += self.clock.seconds(self.drafted, verified)
-        self.draft_lengths.append(k)
         # Keep [unseen, root, x_1 .. x_min(a, K-1)]; x_K, never fed, becomes next step's unseen token.
         accept_length, going = step.accept_length, step.going
         draft_kept = (torch.clamp(accept_length, max=k - 1) + 2) * going  # slots to keep, the unseen one included
@@ -231,10 +236,11 @@ class DraftModelProposer(Proposer):
 
     def finish(self, stats: GenerationStats) -> None:
         stats.draft_lengths = self.draft_lengths
-        if self.draft_lengths:
+        drafted = sum(k > 0 for k in self.draft_lengths)
+        if drafted:
             stats.acceptance_rate = self.accepted / max(self.accepted + self.rejected, 1)
             stats.draft_seconds = self.draft_time / self.draft_forwards
-            stats.verify_seconds = self.verify_time / len(self.draft_lengths)
+            stats.verify_seconds = self.verify_time / drafted
 
 
 def generate_with_draft(base_model: nn.Module, draft_model: nn.Module, input_ids: torch.Tensor,

@@ -235,7 +235,8 @@ class WithLookup(Proposer):
         num_tree_nodes = candidates.tree.num_nodes
         self.chain_start = num_tree_nodes
         cap = min(self.chain_length, max(self.tokens_left) - 1)
-        if cap < 1:
+        if cap < 1:  # one token left in every row: the bonus alone
+            self.lookup.found = [[] for _ in self.lookup.rows]
             return candidates
         chain_tokens, has_match = self.lookup.chains(root.device, min(self.length, cap))
         length = chain_tokens.shape[1]

@@ -260,12 +260,15 @@ def _check_heads_match(config: MedusaConfig, heads: MedusaHeads, spec: BaseSpec)
         raise TypeError(f"heads must be MedusaHeads, got {type(heads).__name__}; build a MedusaModel with "
                         f"MedusaModel.from_base(base_model, config) or MedusaModel.from_pretrained(base_model, path)")
     _check_sizes(config, spec, source="MedusaConfig")
+    if config.head_type == "eagle" and config.draft_layer is None:
+        raise ValueError("config has head_type 'eagle' but no draft_layer (the draft layer's shape): build the "
+                         "model with MedusaModel.from_base(base_model, config), which takes the base model's")
     with torch.device("meta"):  # the shapes config describes, without allocating them
         described = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
                                 config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
                                 config.feature_layers, config.draft_layer)
-    want = {name: tuple(t.shape) for name, t in described.state_dict().items()}
-    got = {name: tuple(t.shape) for name, t in heads.state_dict().items()}
+    want = {name: tuple(t.shape) for name, t in described.state_dict().items()} | _settings(described)
+    got = {name: tuple(t.shape) for name, t in heads.state_dict().items()} | _settings(heads)
     if want != got:
         differ = sorted(set(want) ^ set(got)) or [name for name in want if want[name] != got[name]]
         raise ValueError(f"heads do not match config (num_heads={config.num_heads}, num_layers={config.num_layers}, "
@@ -274,6 +277,14 @@ def _check_heads_match(config: MedusaConfig, heads: MedusaHeads, spec: BaseSpec)
                          f"{spec.vocab_size}): {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''} differ; "
                          f"build both with MedusaModel.from_base(base_model, config), or load saved heads with "
                          f"MedusaModel.from_pretrained(base_model, path)")
+
+
+def _settings(heads: MedusaHeads) -> dict[str, object]:
+    """What the heads compute by that no weight's shape shows (save_heads writes the config's, not these)."""
+    attention = heads.draft_layer.layer.self_attn if heads.draft_layer is not None else None
+    return {"feature_layers": tuple(heads.feature_layers),
+            "context_heads": heads.context.num_heads if heads.context is not None else 0,
+            "draft_layer head_dim": attention.head_dim if attention is not None else None}
 
 
 def _check_heads_follow(base_model: nn.Module, heads: nn.Module) -> None:

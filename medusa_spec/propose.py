@@ -63,11 +63,13 @@ class Prompt:
 @dataclass(frozen=True)
 class HostStep:
     """A step's per-row figures on the host, from its one sync: accept_length, active (the row was generating
-    in the step) and emitted (the tokens the row took: accepted ones and the bonus, cut at eos or the budget)."""
+    in the step), emitted (the tokens the row took: accepted ones and the bonus, cut at eos or the budget) and
+    going (the row generates on after it)."""
 
     accept_length: list[int]
     active: list[bool]
     emitted: list[list[int]]
+    going: list[bool]
 
 
 def tokens_left(prompt: Prompt) -> list[float]:
@@ -77,8 +79,8 @@ def tokens_left(prompt: Prompt) -> list[float]:
 
 
 def tokens_left_after(left: list[float], host: HostStep) -> list[float]:
-    """`left` after a step: less what each row emitted; 0 for rows that were not generating in it."""
-    return [n - len(emitted) if active else 0 for n, emitted, active in zip(left, host.emitted, host.active)]
+    """`left` after a step: less what each row emitted; 0 for rows that no longer generate (done by eos too)."""
+    return [n - len(emitted) if going else 0 for n, emitted, going in zip(left, host.emitted, host.going)]
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
 
     base_model, tokenizer = load_model_and_tokenizer(args.model or str(default_model.prepare()), "float32")
     if args.data:
-        conversations = without_excluded([m for path in args.data for m in read_conversations(path)], args.exclude)
+        conversations = without_excluded([m for path in args.data for m in read_conversations(path)], args.exclude,
+                                         require_match=False)  # an adapter trained on other data excludes nothing
         _, held_out = split_held_out(conversations, args.eval_examples, args.seed)
         groups = {"held-out": [tokenize_conversation(tokenizer, conversations[i]) for i in held_out]}
         max_length = args.max_length

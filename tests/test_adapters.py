@@ -191,6 +191,15 @@ def test_a_model_built_by_hand_from_parts_that_do_not_fit_is_refused():
         MedusaModel(base, MedusaConfig(num_heads=2), nn.ModuleList())
     with pytest.raises(TypeError, match="config must be a MedusaConfig, got dict"):
         MedusaModel(base, {"num_heads": 2}, heads)
+    # Settings no weight's shape shows: the config would save them, and the heads compute by their own.
+    for built, claimed, differ in [(dict(feature_layers=(0,)), dict(feature_layers=(1,)), "feature_layers"),
+                                   (dict(context_heads=2), dict(context_heads=4), "context_heads"),
+                                   (dict(head_type="eagle"), dict(head_type="eagle", draft_layer={
+                                       "num_attention_heads": 2, "intermediate_size": 64}), "draft_layer head_dim")]:
+        with pytest.raises(ValueError, match=rf": {differ} differ; build both with"):
+            MedusaModel(base, MedusaConfig(num_heads=2, **claimed), random_medusa(base, num_heads=2, **built).heads)
+    with pytest.raises(ValueError, match="head_type 'eagle' but no draft_layer .*MedusaModel.from_base"):
+        MedusaModel(base, MedusaConfig(num_heads=2, head_type="eagle"), random_medusa(base, num_heads=2).heads)
     model = MedusaModel(base, MedusaConfig(num_heads=2), heads)  # parts that fit
     assert model.generate(PROMPT, max_new_tokens=4).sequences.shape == (2, PROMPT.shape[1] + 4)
 

@@ -19,6 +19,7 @@ from medusa_spec.base import cache_argument
 from medusa_spec.train.data import read_conversations
 from medusa_spec.train.engine import GREEDY, Request, decode_stream
 from medusa_spec.train.store import ConversationStore, read_records
+from test_sampling import SETTINGS, chi_square_p_value
 from tiny_models import ARCHITECTURES, tiny_model
 
 EOS = 2
@@ -309,6 +310,27 @@ def test_a_sampled_answer_does_not_depend_on_its_row_or_what_ran_beside_it():
     assert answers([5, 1, 4], rows=3) == {k: whole[k] for k in (5, 1, 4)}  # another order
     assert answers(range(6), rows=4, seed=1) != whole  # the seed still changes them
     assert len({tuple(tokens) for tokens in whole.values()}) == 6
+    # A conversation's next turn comes under the same key with a longer prompt: a stream of its own, not the first
+    # turn's draws again (which made later answers repeat earlier ones).
+    from medusa_spec.train.engine import request_draws
+    first, again, next_turn = (request_draws(0, Request("c", ids, hot), 10) for ids in ([5, 6], [7, 8], [5, 6, 9]))
+    assert first == again and first != next_turn and len(set(first + next_turn)) == 20
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=str)
+def test_rows_sample_the_processed_distribution(sampling):
+    """Each row inverts the distribution's CDF at its own uniform draw: counts over many rows follow
+    processed_probs (chi-square), filtered tokens never come out, not even at a draw of 0 or just below 1."""
+    from medusa_spec.accept import processed_probs
+    from medusa_spec.train.engine import _pick
+
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2
+    rows = 20_000
+    uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(4), dtype=torch.float64).tolist()
+    uniforms[:2] = [0.0, 1 - 2 ** -53]
+    tokens = _pick(logits.expand(rows, -1), [sampling] * rows, uniforms)
+    probs = processed_probs(logits[None], sampling)[0]
+    assert chi_square_p_value(torch.bincount(tokens, minlength=40).double(), probs) > 1e-3
 
 
 def test_a_prompt_asked_again_is_prefilled_once():

@@ -201,7 +201,7 @@ def test_a_batch_adapts_to_the_row_the_heads_serve_worst():
             adaptive.propose(root)
             new_tokens = torch.tensor([[7], [8]])  # row 0's next token is the guess, row 1's is not
             active = torch.tensor(going)
-            host = propose.HostStep([0, 0], going, [[7], [8]])
+            host = propose.HostStep([0, 0], going, [[7], [8]], going)
             adaptive.update(propose.StepResult(None, None, None, None, None, new_tokens, active, active, host))
 
     steps(64, [True, True])

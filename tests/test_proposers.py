@@ -248,7 +248,7 @@ def test_chain_length_adapts_as_assisted_decoding_does():
         taken = torch.tensor([len(emitted) - 1])
         one = torch.tensor([True])
         proposer.update(StepResult(candidates, None, taken, taken, None, None, one, one,
-                                   HostStep([len(emitted) - 1], [True], [emitted])))
+                                   HostStep([len(emitted) - 1], [True], [emitted], [True])))
         return candidates.node_tokens[0, 1:].tolist()
 
     assert step([7, 5]) == [7, 8, 9, 10]  # "5 6" seen before: the chain copies what followed; 1 of 4 taken
@@ -319,6 +319,12 @@ def test_draft_no_longer_than_the_tokens_left():
     out = generate_with_draft(model, model, ids, max_new_tokens=4, eos_token_id=[], num_draft_tokens=5)
     assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=4, eos_token_id=None))
     assert out.stats.draft_lengths == [2]  # the draft is the model itself: 2 accepted and the bonus, done
+    # One token left: nothing drafted (transformers drafts none either), the base's own token; sampling too.
+    for do_sample in (False, True):
+        torch.manual_seed(0)
+        out = generate_with_draft(model, model, ids, max_new_tokens=2, eos_token_id=[], num_draft_tokens=5,
+                                  do_sample=do_sample)
+        assert out.stats.draft_lengths == [0] and out.stats.new_tokens == [2] and out.stats.acceptance_rate is None
 
 
 def test_lookup_chain_no_longer_than_the_tokens_left():

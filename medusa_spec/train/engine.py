@@ -152,25 +152,33 @@ def _n_layers(model: nn.Module) -> int:
     return config.num_hidden_layers
 
 
-def _pick(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None]) -> torch.Tensor:
+def _pick(logits: torch.Tensor, samplings: list[Sampling], uniforms: list[float]) -> torch.Tensor:
     """Next tokens [rows] from last-position logits [rows, V], row i drawn as samplings[i] says: argmax when
-    greedy, else from temperature, top-k and top-p as the decoding loop draws (accept.kept_scores), with the row's
-    own generator."""
+    greedy, else from temperature, top-k and top-p as the decoding loop draws (accept.kept_scores), by inverting the
+    distribution's CDF at the row's uniform draw uniforms[i] in [0, 1) (one call for all rows that sample alike)."""
     tokens = logits.argmax(-1)
     for sampling in dict.fromkeys(s for s in samplings if s.do_sample):  # a few distinct settings, in row order
         rows = [i for i, s in enumerate(samplings) if s == sampling]
         scores, ids = kept_scores(logits[torch.tensor(rows, device=logits.device)], sampling)
-        probs = scores.softmax(dim=-1)
-        drawn = torch.cat([torch.multinomial(p, 1, generator=generators[row]) for p, row in zip(probs, rows)])[:, None]
+        cdf = scores.softmax(dim=-1).cumsum(dim=-1)
+        total = cdf[:, -1:]
+        u = torch.tensor([uniforms[i] for i in rows], dtype=cdf.dtype, device=cdf.device)[:, None]
+        # The first token whose CDF passes u * total: token j for u * total in [cdf[j-1], cdf[j]), a width of p_j,
+        # so a filtered token (p = 0) is never drawn; kept below total, whatever the rounding of the product.
+        drawn = torch.searchsorted(cdf, torch.minimum(u * total, total.nextafter(torch.zeros_like(total))),
+                                   right=True)
         tokens[rows] = (drawn if ids is None else ids.gather(-1, drawn))[:, 0]
     return tokens
 
 
-def request_generator(seed: int, key, device: torch.device) -> torch.Generator:
-    """A request's own random stream, from `seed` and its key: what it draws does not depend on which row it got or
-    what else ran beside it, so a resumed run (other requests in flight, another --batch-size) draws the same."""
-    digest = hashlib.sha256(f"{seed}:{key!r}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+def request_draws(seed: int, request: Request, count: int) -> list[float]:
+    """The uniform draws in [0, 1) a sampling request's `count` tokens are picked by, from a stream of its own: `seed`,
+    its key and its prompt's length (a conversation's next turn, under the same key, is a longer prompt). What it
+    samples so depends neither on its row nor on what ran beside it, so a resumed run (other requests in flight,
+    another --batch-size) draws the same; drawn on the CPU, so a GPU run draws the same too."""
+    digest = hashlib.sha256(f"{seed}:{request.key!r}:{len(request.input_ids)}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.rand(count, generator=generator, dtype=torch.float64).tolist()
 
 
 def _block_widths(start: torch.Tensor, size: int) -> torch.Tensor:
@@ -208,8 +216,8 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     A row ends at an eos, after its max_new_tokens, or when its cache row is full (capacity, default the most
     any request queued at the start needs, its prompt + its max_new_tokens: pass it when later requests may need
     more); with stop_loops, also once it loops (repetition.LoopWatch), its tokens then cut where the loop began.
-    Each row draws as its request's `sampling` says, from a random stream of its own (`seed` and the request's key:
-    request_generator). A decoding step's attention runs per block of `chunk_rows` rows
+    Each row draws as its request's `sampling` says, from a random stream of its own (`seed`, the request's key and
+    its prompt's length: request_draws). A decoding step's attention runs per block of `chunk_rows` rows
     (see the module's docstring), where the model is fp32 on CPU and its attention layers sdpa ones.
     """
     if max_new_tokens < 1:
@@ -236,7 +244,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     last = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)  # the token to feed next
     active = [None] * rows  # per row: (key, new tokens) or None when free
     sampling = [GREEDY] * rows
-    generators: list[torch.Generator | None] = [None] * rows  # a sampling row's request_generator
+    draws: list[list[float] | None] = [None] * rows  # a sampling row's request_draws, one per token
     limit = [max_new_tokens] * rows
     watch: list[LoopWatch | None] = [None] * rows
     columns = torch.arange(capacity, device=device)
@@ -275,9 +283,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                 last_prefill.update(ids=request.input_ids, row=row, logits=out.logits[:, -1])
             held[row] = request.input_ids
             sampling[row] = request.sampling
-            generators[row] = request_generator(seed, request.key, device) if request.sampling.do_sample else None
             limit[row] = request.max_new_tokens or max_new_tokens
-            first = _pick(last_prefill["logits"], [request.sampling], generators[row: row + 1])
+            draws[row] = request_draws(seed, request, limit[row]) if request.sampling.do_sample else None
+            first = _pick(last_prefill["logits"], [request.sampling], [draws[row][0] if draws[row] else 0.0])
             length[row], last[row] = n, first[0]
             active[row] = (request.key, [int(first[0])])
             watch[row] = LoopWatch() if stop_loops else None
@@ -326,7 +334,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
             if order is not None:
                 moved = order.tolist()
                 cache.reorder(moved, start.tolist())  # a free row (start 0) holds nothing kept
-                for per_row in (active, sampling, generators, limit, watch, held):
+                for per_row in (active, sampling, draws, limit, watch, held):
                     per_row[:] = [per_row[i] for i in moved]
                 length, last, start, busy = length[order], last[order], start[order], busy[order]
                 if "row" in last_prefill:
@@ -340,7 +348,9 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
                                columns[None, :width], dtype)
             out = runner(input_ids=last[:n, None], attention_mask=mask, position_ids=start[:, None],
                          use_cache=True, **{spec.cache_arg: cache}, **blocks)
-            nxt = _pick(out.logits[:, -1], sampling[:n], generators[:n])
+            # A busy row's next token is its len(tokens)-th; a free row's pick is not used.
+            uniforms = [d[len(a[1])] if d is not None and a is not None else 0.0 for d, a in zip(draws[:n], active[:n])]
+            nxt = _pick(out.logits[:, -1], sampling[:n], uniforms)
             length[:n] += busy.long()
             last[:n] = torch.where(busy, nxt, last[:n])
             done = busy & (torch.isin(nxt, eos) | (length[:n] >= capacity))  # no free column to feed nxt into

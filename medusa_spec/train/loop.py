@@ -384,8 +384,10 @@ def read_trained_on(path: str | Path, flag: str = "--exclude") -> set[str]:
     return keys
 
 
-def without_excluded(conversations: list[list[dict]], exclude: list[str], report=print) -> list[list[dict]]:
-    """The conversations that begin as none listed in the `exclude` files (TRAINED_ON files) does."""
+def without_excluded(conversations: list[list[dict]], exclude: list[str], report=print,
+                     require_match: bool = True) -> list[list[dict]]:
+    """The conversations that begin as none listed in the `exclude` files (TRAINED_ON files) does. With
+    `require_match` (training), a file listing none of them is refused: it was meant for other data."""
     if not exclude:
         return conversations
     listed = {path: read_trained_on(path) for path in exclude}
@@ -394,7 +396,7 @@ def without_excluded(conversations: list[list[dict]], exclude: list[str], report
     for path, path_keys in listed.items():
         # Such a file lists another data folder's conversations (or another key scheme's): what it was meant to
         # keep out, a held-out set say, would be trained on without a word.
-        if path_keys and not path_keys & present:
+        if require_match and path_keys and not path_keys & present:
             raise ValueError(f"--exclude {path}: none of its {len(path_keys)} conversation beginnings is in --data's "
                              f"{len(conversations)} conversations, so it would exclude nothing; give the "
                              f"{TRAINED_ON} of a run on this data folder")
