@@ -451,7 +451,7 @@ def test_a_draft_model_folder_needs_a_model_but_no_tokenizer(model_dir, heads_di
     """The draft shares the base's tokenizer: a draft saved without one loads, a heads folder is refused."""
     draft = tmp_path / "draft"
     tiny_model("llama", seed=1).save_pretrained(draft)
-    common = ["generate", "w5 w9", "--model", str(model_dir), "--max-new-tokens", "2"]  # one draft step
+    common = ["generate", "w5 w9", "--model", str(model_dir), "--max-new-tokens", "3"]  # one draft step (K = 1)
     assert main([*common, "--draft-model", str(heads_dir)]) == 2
     assert f"--draft-model {heads_dir} holds Medusa heads (medusa_spec format), not a model" in capsys.readouterr().err
     assert loaded == []
