@@ -166,16 +166,15 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             # The one host sync of the step.
             width = new_tokens.shape[1]
             going = ~writer.finished
-            synced = torch.cat([writer.finished.all()[None].long(), count, accept_length, active.long(),
-                                going.long(), new_tokens.flatten()]).tolist()
-            done = bool(synced[0])
-            counts, accept_lengths = synced[1: 1 + batch], synced[1 + batch: 1 + 2 * batch]
-            host_tokens = synced[1 + 4 * batch:]
+            synced = torch.cat([count, accept_length, active.long(), going.long(), new_tokens.flatten()]).tolist()
+            counts, accept_lengths = synced[:batch], synced[batch: 2 * batch]
+            going_rows = [bool(g) for g in synced[3 * batch: 4 * batch]]
+            done = not any(going_rows)
+            host_tokens = synced[4 * batch:]
             emitted = [host_tokens[b * width: b * width + counts[b]] for b in range(batch)]
             longest = max(accept_lengths) + 1
             stats.steps += 1
-            host = HostStep(accept_lengths, [bool(a) for a in synced[1 + 2 * batch: 1 + 3 * batch]], emitted,
-                            [bool(g) for g in synced[1 + 3 * batch: 1 + 4 * batch]])
+            host = HostStep(accept_lengths, [bool(a) for a in synced[2 * batch: 3 * batch]], emitted, going_rows)
             lap("accept")
             proposer.update(StepResult(candidates, hidden, last_node, accept_length, path[:, :longest],
                                        new_tokens[:, :longest], active, going, host))
