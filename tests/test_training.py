@@ -478,6 +478,32 @@ def test_distill_answers_turn_by_turn_and_resumes(base_dir, tmp_path):
     assert record["id"] == "two" and [m["role"] for m in record["messages"]] == ["user", "assistant"]
 
 
+def test_a_resumed_sampled_distillation_stores_what_an_uninterrupted_one_does(base_dir, tmp_path):
+    """Sampled answers and model-written follow-up questions draw from streams of their own (seed, conversation,
+    turn), so a run killed part-way, with other rows and neighbours, then resumed, stores record by record what one
+    uninterrupted run stores."""
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    prompts = [Prompt("two", ("count from w2", "count from w20"))]
+    prompts += [Prompt(f"p{i}", (f"count from w{i}",)) for i in range(9)]
+    sampled = dict(max_new_tokens=6, do_sample=True, temperature=1.5, follow_ups=0.6, max_prompt_tokens=400)
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    distill(base_model, tokenizer, prompts, distill_settings(base_dir, whole, batch_size=3, **sampled), progress=False)
+    distill(base_model, tokenizer, prompts[:5], distill_settings(base_dir, resumed, batch_size=2, **sampled),
+            progress=False)
+    lines = resumed.read_text().splitlines(keepends=True)
+    resumed.write_text("".join(lines[:3]) + lines[3][:12])  # the kill cut the fourth record short
+    stats = distill(base_model, tokenizer, prompts, distill_settings(base_dir, resumed, batch_size=4, **sampled),
+                    progress=False)
+    assert stats["skipped_finished"] == 3
+    records = {name: {r["id"]: r["messages"] for r in read_records(path)} for name, path in
+               (("whole", whole), ("resumed", resumed))}
+    assert len(records["resumed"]) == len(prompts) and records["resumed"] == records["whole"]
+    greedy = [answer(base_model, tokenizer, [m[:1]], distill_settings(base_dir, whole, max_new_tokens=6))[0][0]
+              for m in records["whole"].values()]
+    assert greedy != [m[1]["content"] for m in records["whole"].values()]  # the answers were sampled
+    assert any(len(m) == 4 for k, m in records["whole"].items() if k != "two")  # and some follow-ups asked
+
+
 def test_model_written_prompts_and_follow_ups_are_answered(base_dir, tmp_path):
     """--self-prompts: the model writes user prompts (Magpie, at --prompt-temperature), kept in the output folder and
     answered; --follow-ups: a model-written second turn, answered again. The answers stay greedy meanwhile."""
