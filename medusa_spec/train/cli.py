@@ -4,6 +4,7 @@ each sets `func`, which runs the command and returns the exit status."""
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -17,7 +18,7 @@ from .data import make_rows, read_conversations, read_prompt_files, tokenize_con
 from .distill import DistillConfig, distill
 from .evaluate import calibrate_tree, evaluate
 from .load import load_model_and_tokenizer
-from .loop import train
+from .loop import train, without_excluded
 from .module import TrainModule
 from .options import add_options, resolve
 from .server import distill_via_server
@@ -47,22 +48,27 @@ def run_tree(args) -> int:
     eval_metrics = None
     if args.data:
         eval_metrics = measure(args.heads, args.model or default_model.prepare(), args.data, args.max_length,
-                               args.batch_size, args.eval_ranks, args.plain_text)
-    elif args.model:
-        raise ValueError("tree: --model is the base the accuracies are measured on: add --data FILE (without both, "
-                         "the accuracies saved by training are used)")
+                               args.batch_size, args.eval_ranks, args.plain_text, args.exclude)
+    elif args.model or args.exclude:
+        flag = "--model is the base" if args.model else "--exclude leaves conversations out of what"
+        raise ValueError(f"tree: {flag} the accuracies are measured on: add --data FILE (without it, the accuracies "
+                         f"saved by training are used)")
     tree = calibrate_tree(args.heads, args.nodes, eval_metrics)
     print(json.dumps({"heads": str(args.heads), "nodes": args.nodes, "tree": tree}))
     return 0
 
 
 def measure(adapter: str, model: str, data: list[str], max_length: int, batch_size: int, eval_ranks: int,
-            plain_text: bool) -> dict:
-    """Rank accuracies of the adapter's heads on conversations, against its base's greedy tokens."""
+            plain_text: bool, exclude: list[str] = ()) -> dict:
+    """Rank accuracies of the adapter's heads on conversations, against its base's greedy tokens: those of `data`
+    that begin as none listed in the `exclude` files."""
+    # Left out before the model loads; the report goes to stderr, as stdout is the tree's JSON.
+    conversations = without_excluded([messages for path in data for messages in read_conversations(path)],
+                                     list(exclude), report=lambda line: print(line, file=sys.stderr))
     base_model, tokenizer = load_model_and_tokenizer(model, "float32", plain_text)
     medusa = MedusaModel.from_pretrained(base_model, adapter)  # applies a Medusa-2 LoRA adapter (lora/) too
     spec = inspect_base_model(medusa.base_model)
-    examples = tokenize_conversations(tokenizer, [messages for path in data for messages in read_conversations(path)])
+    examples = tokenize_conversations(tokenizer, conversations)
     rows = make_rows(examples, max_length, pack=True)
     accelerator = Accelerator()
     module = TrainModule(medusa.base_model, medusa.heads, spec.bool_mask, spec.takes_logits_to_keep)
@@ -98,6 +104,10 @@ def add_train_commands(subparsers) -> None:
                    help="tree size, root included; larger suits GPUs (default: 16)")
     # Measuring afresh: --data (held-out conversations), read as train reads its data.
     add_flag(p, "data")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+                   help="with --data: leave out the conversations that begin as one listed in these files (the "
+                        "trained_conversations.txt beside an adapter), so the accuracies are those on answers the "
+                        "heads did not learn from (default: none left out)")
     add_flag(p, "model")
     add_flag(p, "max_length", TrainConfig.max_length)
     add_flag(p, "batch_size", TrainConfig.batch_size)

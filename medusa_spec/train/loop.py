@@ -405,8 +405,8 @@ def without_excluded(conversations: list[list[dict]], exclude: list[str], report
     report(f"--exclude: {len(conversations) - len(kept)} of {len(conversations)} conversations begin as one "
            f"listed ({len(excluded)} listed); {len(kept)} left")
     if not kept:
-        raise ValueError(f"--exclude leaves none of the {len(conversations)} conversations of --data: every one was "
-                         f"trained on already; distill more, or drop --exclude to train on them again")
+        raise ValueError(f"--exclude leaves none of the {len(conversations)} conversations of --data: the files list "
+                         f"every one (trained on already); distill more, or drop --exclude to use them again")
     return kept
 
 
