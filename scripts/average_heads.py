@@ -4,8 +4,9 @@
 Each such run fits the conversations it reads and lets go of some of the older ones (the heads card, "Run 17"); the
 mean of the last few adapters keeps more of each. Every adapter must have the same settings (config) and draft
 vocabulary; Medusa-2 adapters (with a LoRA adapter of the base) are refused. The output is an adapter folder as train
-writes one: the averaged weights, the last adapter's config without its measured accuracies (they were the last
-adapter's, not the mean's), and a trained_conversations.txt listing every conversation any of them learned from.
+writes one: the averaged weights; the last adapter's config without its measured accuracies (they were the last
+adapter's, not the mean's; metrics.mean_of lists the sha256 of each adapter's weights); a trained_conversations.txt
+listing every conversation any of them learned from.
 Measure the mean's accuracies and store its tree before decoding with it, on conversations none of them learned:
 
     python scripts/average_heads.py --heads runs/run14 runs/run15 runs/run16 runs/run17 --output runs/avg14-17
@@ -49,8 +50,9 @@ def average_adapters(paths: list[str | Path], output: str | Path) -> None:
                                  f"weights then mean different tokens and cannot be averaged")
     mean = {name: torch.stack([weights[name].double() for _, weights in loaded]).mean(0).to(tensor.dtype)
             if tensor.is_floating_point() else tensor for name, tensor in first_weights.items()}
-    last_config = loaded[-1][0]
-    save_adapter(output, dataclasses.replace(last_config, metrics={}), mean)
+    # The accuracies were the last adapter's; what is kept says where the mean came from (each one's weights' sha256).
+    metrics = {"mean_of": [config.weights_sha256 for config, _ in loaded]}
+    save_adapter(output, dataclasses.replace(loaded[-1][0], metrics=metrics), mean)
     lists = [Path(path) / TRAINED_ON for path in paths]
     listed = Path(output) / TRAINED_ON
     if all(file.is_file() for file in lists):

@@ -53,7 +53,7 @@ def test_the_mean_of_a_line_of_runs_is_an_adapter_that_decodes_losslessly(base_d
             assert torch.equal(tensor, weights_a[name])
     assert changed  # the second run moved the heads: the mean is a new adapter
     # The second run's settings; not its accuracies, which were measured on its own weights.
-    assert config.metrics == {} and config_b.metrics
+    assert config.metrics == {"mean_of": [load_adapter(first)[0].weights_sha256, config_b.weights_sha256]}
     assert dataclasses.replace(config, metrics=config_b.metrics) == config_b
     assert read_trained_on(output / TRAINED_ON) == {"0" * 16, "1" * 16, "2" * 16}
 
