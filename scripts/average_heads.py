@@ -32,6 +32,9 @@ def average_adapters(paths: list[str | Path], output: str | Path) -> None:
     """Write the mean of the adapters in `paths` to the adapter folder `output` (see the module's docstring)."""
     if len(paths) < 2:
         raise ValueError(f"--heads: give two adapters or more to average, got {len(paths)}")
+    if Path(output).resolve() in {Path(path).resolve() for path in paths}:
+        raise ValueError(f"--output {output} is one of the adapters averaged, which the mean would replace; write it "
+                         f"to another folder")
     loaded = [load_adapter(path) for path in paths]
     first_config, first_weights = loaded[0]
     settings = {k: v for k, v in dataclasses.asdict(first_config).items() if k not in _PER_SAVE}

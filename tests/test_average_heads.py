@@ -74,6 +74,10 @@ def test_adapters_that_cannot_be_averaged_are_refused_by_name(base_dir, conversa
     first, second = line
     with pytest.raises(ValueError, match="two adapters or more"):
         average_adapters([first], tmp_path / "one")
+    before = (second / "medusa_heads.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="one of the adapters averaged"):
+        average_adapters([first, second], second)
+    assert (second / "medusa_heads.safetensors").read_bytes() == before
     other = tmp_path / "plain"
     train(small_run(base_dir, conversations, other, max_steps=1))  # medusa heads, no draft vocabulary
     with pytest.raises(ValueError, match=r"differ in .*head_type.*one line of runs"):
