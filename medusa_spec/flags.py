@@ -220,6 +220,10 @@ FLAGS = {
                    "skipped; train: a folder for the adapter, checkpoints/ and train_log.jsonl)", metavar="PATH"),
     # Training data and measuring heads (train, tree).
     "data": Flag("conversation JSONL files, as `medusa-spec distill` writes them", nargs="+", metavar="FILE"),
+    "exclude": Flag("leave out the conversations of --data listed in these files: the trained_conversations.txt every "
+                    "run writes beside its adapter (e.g. the one --init-heads came with), so that heads learn from "
+                    "(train) and are measured on (train, tree) answers they have not seen; a conversation beginning "
+                    "as a listed one is left out too", nargs="+", metavar="FILE"),
     "max_length": Flag("tokens per row; longer conversations are truncated", type=int),
     "batch_size": Flag("rows run through the model at once (distill: decoded together, a finished row taking the "
                        "next prompt at once; train: per micro-batch and process; tree: per measuring batch)",

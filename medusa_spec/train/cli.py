@@ -104,10 +104,7 @@ def add_train_commands(subparsers) -> None:
                    help="tree size, root included; larger suits GPUs (default: 16)")
     # Measuring afresh: --data (held-out conversations), read as train reads its data.
     add_flag(p, "data")
-    p.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
-                   help="with --data: leave out the conversations that begin as one listed in these files (the "
-                        "trained_conversations.txt beside an adapter), so the accuracies are those on answers the "
-                        "heads did not learn from (default: none left out)")
+    add_flag(p, "exclude", [], default_help="none")
     add_flag(p, "model")
     add_flag(p, "max_length", TrainConfig.max_length)
     add_flag(p, "batch_size", TrainConfig.batch_size)

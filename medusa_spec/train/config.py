@@ -43,10 +43,7 @@ class TrainConfig:
                                     "another are refused, but --feature-layers adds fusion to heads without, and a "
                                     "larger --num-layers adds residual blocks after theirs); their "
                                     "tree is dropped, for `medusa-spec tree` to grow one from the new accuracies")
-    exclude: list[str] = option([], "leave out the conversations listed in these files: the "
-                                "trained_conversations.txt every run writes beside its adapter (e.g. the one "
-                                "--init-heads came with), so heads trained on learn from answers they have not seen "
-                                "and are measured on others; a conversation beginning as a listed one is left out too")
+    exclude: list[str] = shared([])
     replay: int = option(0, "with --init-heads and --exclude its trained_conversations.txt: also train on the "
                          "conversations beginning as N of those the heads learned from (a seeded sample), mixed in "
                          "with the new ones, so the heads keep what they learned (a replay); never held out")

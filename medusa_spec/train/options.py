@@ -19,16 +19,19 @@ from ..flags import add_flag
 
 def option(default, help: str, **extra):
     """A config field with its --help text; extra: required=True, choices=(...)."""
-    metadata = {"help": help, **extra}
-    if isinstance(default, list):  # a fresh list per instance
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+    return _field(default, {"help": help, **extra})
 
 
 def shared(default, **extra):
     """A config field whose flag is medusa_spec.flags.FLAGS[its name], as other subcommands define it; extra:
     required=True, aliases=("--old-name",) (an old spelling of the flag, and of its recipe key, still accepted)."""
-    return dataclasses.field(default=default, metadata={"shared": True, **extra})
+    return _field(default, {"shared": True, **extra})
+
+
+def _field(default, metadata: dict):
+    if isinstance(default, list):  # a fresh list per instance
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _old_keys(cls) -> dict[str, str]:
@@ -41,14 +44,14 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
     """One --flag per field of `cls`; only flags given on the command line land in the namespace."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         if f.metadata.get("shared"):
-            add_flag(parser, f.name, f.default, required=f.metadata.get("required", False), suppress=True,
+            add_flag(parser, f.name, default, required=f.metadata.get("required", False), suppress=True,
                      aliases=f.metadata.get("aliases", ()))
             continue
         kind = hints[f.name]
         if typing.get_origin(kind) is not list:  # X | None -> X
             kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         help_text = f.metadata["help"] + ("" if f.metadata.get("required") else f" (default: {default})")
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
