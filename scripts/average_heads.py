@@ -36,12 +36,13 @@ def average_adapters(paths: list[str | Path], output: str | Path) -> None:
         raise ValueError(f"--output {output} is one of the adapters averaged, which the mean would replace; write it "
                          f"to another folder")
     loaded = [load_adapter(path) for path in paths]
+    for path, (config, _) in zip(paths, loaded):
+        if config.lora:
+            raise ValueError(f"{path} holds a LoRA adapter of the base (Medusa-2): its LoRA weights are not averaged; "
+                             f"average Medusa-1 adapters (frozen base) only")
     first_config, first_weights = loaded[0]
     settings = {k: v for k, v in dataclasses.asdict(first_config).items() if k not in _PER_SAVE}
     for path, (config, weights) in zip(paths[1:], loaded[1:]):
-        if config.lora or first_config.lora:
-            raise ValueError(f"{path if config.lora else paths[0]} holds a LoRA adapter of the base (Medusa-2): its "
-                             f"LoRA weights are not averaged; average Medusa-1 adapters (frozen base) only")
         other = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PER_SAVE}
         differ = sorted(k for k in settings if settings[k] != other[k])
         if differ:
