@@ -85,7 +85,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
     proposers, steps = {}, {}
     for n, tree in trees.items():
-        proposers[n] = heads_proposer(base, mm.heads, tree)
+        proposers[n] = heads_proposer(base, mm.heads, tree, packs)
         proposers[n].start(prompt)
         candidates = proposers[n].propose(root)
         steps[n] = deepest_step(candidates, verify(candidates), root)  # also the verify pass's warm-up

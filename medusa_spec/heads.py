@@ -93,6 +93,9 @@ class MedusaHeads(nn.Module):
             self.token_map = None
         # The base LM head's rows for the token map, taken once (bind_lm_head) instead of per call.
         self.register_buffer("draft_lm_weight", None, persistent=False)
+        # draft_lm_weight in oneDNN's layout (columnwise.PackedWeights): set on the decoding loops' copy of the heads
+        # only (propose.heads_proposer), never here.
+        self.draft_lm_packed: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -148,7 +151,8 @@ class MedusaHeads(nn.Module):
         if self.token_map is None:
             # One matmul for all heads: the big matrix is read once (in its dtype: a mixed-precision base's).
             return base_lm_head(states.to(base_lm_head.weight.dtype))
-        return linear(states, self.projection(0, base_lm_head)[0])  # the token map's rows, shared by all heads
+        # The token map's rows, shared by all heads (from their pack where the decoding loop's copy has one).
+        return linear(states, self.projection(0, base_lm_head)[0], packed_weight=self.draft_lm_packed)
 
     def projection(self, head: int, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight [V', H], bias or None) of head `head`'s vocabulary projection: what project() applies,

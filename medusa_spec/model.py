@@ -213,10 +213,10 @@ class MedusaModel(nn.Module):
             table = self.tree_table(batch)
             # The root alone still drafts its one guess (AdaptiveTree's evidence): the heads' proposer on [[0]].
             first = autotree.best_tree(table, rank_accuracy)["tree"] or [[0]]
-            proposer = autotree.AdaptiveTree(heads_proposer(self.base_model, self.heads, build_tree(first)), table,
-                                             rank_accuracy)
+            drafting = heads_proposer(self.base_model, self.heads, build_tree(first), self._packed_weights)
+            proposer = autotree.AdaptiveTree(drafting, table, rank_accuracy)
         else:
-            proposer = heads_proposer(self.base_model, self.heads, self.tree(tree, batch))
+            proposer = heads_proposer(self.base_model, self.heads, self.tree(tree, batch), self._packed_weights)
         proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
                       streamer, timer, self._packed_weights, generation_config)

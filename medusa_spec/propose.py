@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .columnwise import columnwise_copy
+from .columnwise import PackedWeights, columnwise_copy
 from .eagle import DRAFT_LAYER_SPEC
 from .kv_cache import fork_cache, new_cache
 from .output import GenerationStats
@@ -260,12 +260,18 @@ class DraftLayerProposer(Proposer):
         self.root_output = outputs.gather(1, step.accept_length[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0]
 
 
-def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree) -> Proposer:
+def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree,
+                   packs: PackedWeights | None = None) -> Proposer:
     """The heads on `tree` (through a column-wise copy: see columnwise), or RootOnly for a root-only tree (no heads
-    needed)."""
+    needed). `packs`: the caller's packed weights (columnwise.PackedWeights), which the copy's layers and its draft
+    vocabulary's projection then compute from: unpacked, those took 0.40 ms a level for 3 rows of SmolLM2-135M's
+    4,096-token projection where packed took 0.10 (eagle heads draft 3 levels a step)."""
     if tree.num_nodes == 1:
         return RootOnly()
-    heads = columnwise_copy(heads)
+    original, heads = heads, columnwise_copy(heads, packs=packs)
+    draft_lm_weight = getattr(heads, "draft_lm_weight", None)
+    if packs is not None and heads is not original and draft_lm_weight is not None:
+        vars(heads)["draft_lm_packed"] = packs.get(draft_lm_weight)  # on the copy only (see MedusaHeads.project)
     if getattr(heads, "draft_layer", None) is not None:
         return DraftLayerProposer(base_model, heads, tree)
     return HeadsProposer(base_model, heads, tree)

@@ -30,9 +30,9 @@ def measured(monkeypatch):
         calls["chosen"].append(tree)
         return tree, table
 
-    def recording_proposer(base_model, heads, tree):
+    def recording_proposer(base_model, heads, tree, packs=None):
         calls["drafted"].append(paths(tree.choices))
-        return proposer(base_model, heads, tree)
+        return proposer(base_model, heads, tree, packs)
 
     monkeypatch.setattr(autotree, "measure_step_costs", counting_measure)
     monkeypatch.setattr(autotree, "choose_tree", recording_choose)
