@@ -55,15 +55,17 @@ def new_cache() -> DynamicCache:
     return cache
 
 
-def fork_cache(cache: DynamicCache) -> DynamicCache:
-    """A cache holding the same slots as `cache`, whose changes leave `cache` as it is: both share the key/value
-    tensors, which keep_accepted only writes past the slots it keeps and the fork's plain DynamicLayers replace by
-    longer ones at an update (an AppendLayer would write into the buffer `cache` appends to)."""
+def fork_prefix(cache: DynamicCache, length: int) -> DynamicCache:
+    """A cache holding `cache`'s first `length` slots, whose updates leave those in `cache` as they are: each layer
+    is a shallow copy narrowed to them, and an AppendLayer's copy writes its new slots into the room after them in
+    the buffer both share. So `cache`'s slots past `length` may be overwritten: for a caller that drops them anyway
+    (the eagle proposer drops a step's drafted slots, see propose.DraftLayerProposer.update). A fork of plain
+    DynamicLayers copied the whole past at each update instead: the eagle proposer's three draft-layer calls a step
+    spent 0.48 of 6.0 ms in torch.cat after 256 tokens, growing with the text."""
     fork = DynamicCache()
     fork.layers = [copy.copy(layer) for layer in cache.layers]
     for layer in fork.layers:
-        if isinstance(layer, AppendLayer):
-            layer.__class__ = DynamicLayer
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
     return fork
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from .columnwise import PackedWeights, columnwise_copy
 from .eagle import DRAFT_LAYER_SPEC
-from .kv_cache import fork_cache, new_cache
+from .kv_cache import fork_prefix, new_cache
 from .output import GenerationStats
 from .slots import Slots
 from .tree import MedusaTree, Tree, chain_tree
@@ -239,12 +239,12 @@ class DraftLayerProposer(Proposer):
         return Candidates(node_tokens, tree)
 
     def update(self, step: StepResult) -> None:
-        # A new Slots over a forked cache, not the old one changed: --tree auto times steps from a shallow copy of one
-        # started proposer (autotree), which must find it as it was.
-        slots = self.slots
-        slots = Slots(fork_cache(slots.cache), slots.valid, slots.pos, slots.next_pos, slots.max_position, slots.past)
-        none = torch.zeros_like(step.accept_length)
-        slots.commit(step.kept[:, :0], none, none)  # drop the drafted slots
+        # A new Slots over the committed slots, the drafted ones dropped, not the old Slots changed: --tree auto times
+        # steps from a shallow copy of one started proposer (autotree), which must find its committed slots as they
+        # were (its drafted ones it drops too; see fork_prefix).
+        past = self.slots
+        slots = Slots(fork_prefix(past.cache, past.past), past.valid[:, :past.past], past.pos[:, :past.past],
+                      past.next_pos, past.max_position, past.past)
         # The step's accepted states: root and accepted nodes, each with the token after it (the last: the bonus),
         # at the root's position onwards.
         hidden, kept = step.hidden, step.kept

@@ -4,7 +4,7 @@ operation the loop and transformers apply."""
 import torch
 from transformers import DynamicCache
 
-from medusa_spec.kv_cache import RESERVE, fork_cache, keep_accepted, new_cache
+from medusa_spec.kv_cache import RESERVE, fork_prefix, keep_accepted, new_cache
 
 
 def states(batch, length, seed):
@@ -36,13 +36,26 @@ def test_updates_write_in_place_and_hold_what_a_dynamic_cache_holds():
     assert_same(cache, reference)
 
 
-def test_a_forks_updates_leave_the_cache_alone():
+def test_a_prefix_fork_appends_without_copying_the_past_and_leaves_the_prefix_alone():
+    """The eagle proposer's step: the committed slots in a fork, the drafted ones (past them) dropped; the fork's
+    slots go into the room after the prefix, and a second fork from the same cache (--tree auto times each step
+    from one started proposer) starts from the same prefix."""
     cache = new_cache()
-    cache.update(*states(1, 5, seed=0), layer_idx=0)
-    before = [t.clone() for t in (cache.layers[0].keys, cache.layers[0].values)]
-    fork = fork_cache(cache)
+    cache.update(*states(1, 8, seed=0), layer_idx=0)  # 5 committed slots, then 3 the caller drops
+    prefix = [t[..., :5, :].clone() for t in (cache.layers[0].keys, cache.layers[0].values)]
+    pointer = cache.layers[0].keys.data_ptr()
+    for seed in (1, 2):
+        fork = fork_prefix(cache, 5)
+        assert fork.layers[0].keys.shape[-2] == 5
+        new = states(1, 3, seed=seed)
+        keys, values = fork.update(*new, layer_idx=0)
+        assert keys.data_ptr() == pointer  # into the room: the past was not copied
+        assert torch.equal(keys[..., :5, :], prefix[0]) and torch.equal(values[..., :5, :], prefix[1])
+        assert torch.equal(keys[..., 5:, :], new[0]) and torch.equal(values[..., 5:, :], new[1])
+        assert cache.layers[0].keys.shape[-2] == 8  # the cache itself still holds its 8 slots
+        assert torch.equal(cache.layers[0].keys[..., :5, :], prefix[0])
+    plain = DynamicCache()  # a plain layer's fork copies on update, as a DynamicLayer does
+    plain.update(*states(1, 8, seed=0), layer_idx=0)
+    fork = fork_prefix(plain, 5)
     fork.update(*states(1, 3, seed=1), layer_idx=0)
-    assert fork.layers[0].keys.shape[-2] == 8 and cache.layers[0].keys.shape[-2] == 5
-    cache.update(*states(1, 2, seed=2), layer_idx=0)
-    assert torch.equal(cache.layers[0].keys[..., :5, :], before[0])
-    assert torch.equal(fork.layers[0].keys[..., 5:, :], states(1, 3, seed=1)[0])  # the cache's update did not reach it
+    assert torch.equal(plain.layers[0].keys, states(1, 8, seed=0)[0])
