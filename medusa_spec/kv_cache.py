@@ -61,11 +61,12 @@ def fork_prefix(cache: DynamicCache, length: int) -> DynamicCache:
     the buffer both share. So `cache`'s slots past `length` may be overwritten: for a caller that drops them anyway
     (the eagle proposer drops a step's drafted slots, see propose.DraftLayerProposer.update). A fork of plain
     DynamicLayers copied the whole past at each update instead: the eagle proposer's three draft-layer calls a step
-    spent 0.48 of 6.0 ms in torch.cat after 256 tokens, growing with the text."""
+    spent 0.43 of 6.0 ms in torch.cat after 256 tokens, growing with the text."""
     fork = DynamicCache()
     fork.layers = [copy.copy(layer) for layer in cache.layers]
     for layer in fork.layers:
-        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
     return fork
 
 

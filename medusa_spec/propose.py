@@ -264,8 +264,8 @@ def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaT
                    packs: PackedWeights | None = None) -> Proposer:
     """The heads on `tree` (through a column-wise copy: see columnwise), or RootOnly for a root-only tree (no heads
     needed). `packs`: the caller's packed weights (columnwise.PackedWeights), which the copy's layers and its draft
-    vocabulary's projection then compute from: unpacked, those took 0.40 ms a level for 3 rows of SmolLM2-135M's
-    4,096-token projection where packed took 0.10 (eagle heads draft 3 levels a step)."""
+    vocabulary's projection then compute from: SmolLM2-135M's 4,096-token projection took 0.40 ms for 3 rows from
+    its plain weight and 0.10 from its pack (hot in cache; heads draft 3 levels a step)."""
     if tree.num_nodes == 1:
         return RootOnly()
     original, heads = heads, columnwise_copy(heads, packs=packs)
