@@ -29,7 +29,6 @@ import torch
 
 from medusa_spec import MedusaModel, default_model
 from medusa_spec.bench import MT_BENCH, encode, read_eval_prompts
-from medusa_spec.columnwise import columnwise_copy
 from medusa_spec.eagle import DRAFT_LAYER_SPEC
 from medusa_spec.inputs import resolve_sampling, special_tokens
 from medusa_spec.io import load_adapter, save_adapter
@@ -125,8 +124,7 @@ def main() -> None:
         drafting = MedusaModel.from_pretrained(base, deeper(args.heads, args.extra_depth, folder)) \
             if args.extra_depth else mm
     packs = mm._packed_weights
-    heads = columnwise_copy(drafting.heads, packs=packs)
-    vars(heads)["draft_lm_packed"] = packs.get(heads.draft_lm_weight)  # as heads_proposer packs it
+    heads = heads_proposer(base, drafting.heads, build_tree([[0]]), packs).heads  # the decoding loop's packed copy
     makers = {}
     for n in args.nodes:
         static = build_tree(grow_tree(accuracy, n))

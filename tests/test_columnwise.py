@@ -301,7 +301,7 @@ def test_heads_draft_from_packs_of_their_layers_and_draft_vocabulary_on_the_copy
     assert draft_lm_weight.data_ptr() in packed
     assert {m.weight.data_ptr() for m in mm.heads.modules() if type(m) is torch.nn.Linear} <= packed
     pack = mm._packed_weights.get(draft_lm_weight)
-    assert drafted_from and all(not caller and packed is pack for caller, packed in drafted_from)
+    assert drafted_from and all(not caller and drafted is pack for caller, drafted in drafted_from)
     assert mm.heads.draft_lm_packed is None
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
