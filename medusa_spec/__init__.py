@@ -6,9 +6,9 @@ from .config import MedusaConfig
 from .draft import generate_with_draft, self_draft
 from .generate import GenerateOutput, GenerationStats, generate_with_lookup
 from .model import MedusaModel
-from .tree import build_tree, default_tree, grow_tree, validate_choices
+from .tree import DynamicTree, build_tree, default_tree, grow_tree, validate_choices
 
 __all__ = ["MedusaConfig", "MedusaModel", "GenerateOutput", "GenerationStats", "Sampling", "UnsupportedModelError",
-           "build_tree", "default_tree", "grow_tree", "validate_choices", "generate_with_draft", "generate_with_lookup",
-           "self_draft"]
+           "DynamicTree", "build_tree", "default_tree", "grow_tree", "validate_choices", "generate_with_draft",
+           "generate_with_lookup", "self_draft"]
 __version__ = "0.1.0"

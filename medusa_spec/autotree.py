@@ -6,6 +6,7 @@ accuracy the heads show on the text at hand."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from functools import partial
@@ -18,7 +19,7 @@ from .loop import wait_for
 from .output import GenerationStats
 from .propose import Candidates, HostStep, Prompt, Proposer, StepResult, heads_proposer
 from .slots import prefill
-from .tree import build_tree, chain_tree, grow_tree
+from .tree import DynamicTree, build_tree, chain_tree, grow_tree
 from .verify import forward_block
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
@@ -52,8 +53,8 @@ def _fastest_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
 
 @torch.inference_mode()
 def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5,
-                       rank_accuracy=None, batch: int = 1,
-                       packs: PackedWeights | None = None) -> tuple[dict[int, float], dict[int, float]]:
+                       rank_accuracy=None, batch: int = 1, packs: PackedWeights | None = None,
+                       dynamic: bool = False) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of one step of drafting n nodes,
     for each n in sizes, `batch` rows at once (a batch verifies batch x n rows): as the decoding loop runs them,
     the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept) and
@@ -61,7 +62,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     choose_tree weighs, grown from `rank_accuracy` (default: equal accuracies): a dependent head's drafting cost
     is one call per tree depth, so a tree of the same size but another shape costs another time (over a full 49k
     vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms).
-    `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights)."""
+    `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights).
+    `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n)."""
     base, spec = columnwise_copy(mm.base_model, packs=packs), mm.spec  # as the decoding loop runs it (see columnwise)
     device = base.get_output_embeddings().weight.device
     ids = torch.randint(0, spec.vocab_size, (batch, context), device=device)
@@ -81,8 +83,11 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         slots.commit(keep_nothing, no_rows, no_rows)
         return verified
 
-    accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
-    trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
+    if dynamic:
+        trees = {n: DynamicTree(n) for n in sizes}
+    else:
+        accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
+        trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
     proposers, steps = {}, {}
     for n, tree in trees.items():
         proposers[n] = heads_proposer(base, mm.heads, tree, packs)
@@ -100,6 +105,31 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device)
     draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats, device)
     return latency, draft_seconds
+
+
+def dynamic_tree(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5, batch: int = 1,
+                 packs: PackedWeights | None = None) -> DynamicTree:
+    """generate(tree=None)'s tree for eagle heads: a DynamicTree whose step costs, for every size from 1 node to as
+    many as its beam drafts (at most max(sizes)), are those measured by measure_step_costs(dynamic=True) at `sizes`
+    and linearly interpolated between them; each step then takes the size with the most expected tokens per ms."""
+    shape = DynamicTree(1)
+    drafted = shape.top_k + (mm.config.num_heads - 1) * shape.beam * shape.top_k  # candidates a step ranks
+    most = min(max(sizes), drafted + 1)
+    measured = sorted({1, most} | {n for n in sizes if n < most})
+    latency, draft_seconds = measure_step_costs(mm, measured, context, repeats, batch=batch, packs=packs, dynamic=True)
+    # A size costs at least what a smaller one does: a timing above a larger size's is noise (a busy moment).
+    step_ms = [1000 * min(latency[m] + draft_seconds[m] for m in measured if m >= n) for n in measured]
+    return dataclasses.replace(shape, nodes=most, step_ms=tuple(interpolate(measured, step_ms, n)
+                                                                 for n in range(1, most + 1)))
+
+
+def interpolate(xs: list[int], ys: list[float], x: int) -> float:
+    """ys at x, linearly between the two nearest of the increasing xs (x within them)."""
+    right = next(i for i, known in enumerate(xs) if known >= x)
+    if xs[right] == x:
+        return ys[right]
+    left = right - 1
+    return ys[left] + (ys[right] - ys[left]) * (x - xs[left]) / (xs[right] - xs[left])
 
 
 def deepest_step(candidates: Candidates, hidden: torch.Tensor, bonus: torch.Tensor) -> StepResult:

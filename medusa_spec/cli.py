@@ -95,9 +95,17 @@ def _heads_path(args):
 
 
 def _auto_tree(mm):
-    """--tree auto: with rank accuracies in the heads, generate's tree=None (the tree measured on this machine,
-    then re-chosen as the heads guess on the text: see MedusaModel.default_choices), else the heads' own tree.
+    """--tree auto: generate's tree=None. For eagle heads a dynamic tree (MedusaModel.dynamic_tree); for others, with
+    rank accuracies in the heads, the tree measured on this machine, then re-chosen as the heads guess on the text
+    (see MedusaModel.default_choices), else the heads' own tree.
     Returns (tree, the measured table: verify and drafting milliseconds and expected figures per tree size)."""
+    if mm.heads.draft_layer is not None:
+        dynamic = mm.dynamic_tree()
+        table = [{"nodes": n, "step_ms": round(ms, 2)} for n, ms in enumerate(dynamic.step_ms, 1)]
+        print(f"[tree auto: eagle heads on a dynamic tree, 1-{dynamic.nodes} nodes chosen each step from the draft's "
+              f"confidence and step costs measured here, {table[0]['step_ms']}-{table[-1]['step_ms']} ms]",
+              file=sys.stderr)
+        return None, table
     if not mm.config.metrics.get("eval", {}).get("rank_accuracy"):
         return None, None
     table, start = mm.tree_table(), mm.default_choices()

@@ -18,7 +18,7 @@ import torch
 from .inputs import check_token_ids
 from .output import GenerationStats
 from .propose import Candidates, Prompt, Proposer, RootOnly, StepResult, tokens_left, tokens_left_after
-from .tree import Tree, chain_tree
+from .tree import MedusaTree, Tree, chain_tree
 
 DEFAULT_MAX_NGRAM = 3
 # Beside a proposer's tree (the heads'), a chain needs a match of 3 tokens, and when every row has one the step
@@ -204,19 +204,25 @@ def next_chain_length(length: int, taken_whole: bool, chain_length: int) -> int:
     return min(length + 2, chain_length) if taken_whole else max(length - 1, 1)
 
 
+def shape_of(tree: Tree) -> tuple:
+    """A key equal for trees of the same shape: a MedusaTree's rank paths (on the host), else every node's parent (nodes
+    are ordered by depth, so the parents give the tree)."""
+    return ("paths", *tree.choices) if isinstance(tree, MedusaTree) else ("parents", *tree.parent.tolist())
+
+
 class WithLookup(Proposer):
     """`proposer`'s candidates plus a lookup chain of up to `chain_length` tokens off their root, verified in
     the same pass (see add_chain for which of two equal first tokens stays reachable); the chain's length
     adapts step by step (next_chain_length), and beside a tree other than the root alone a chain needs a match of
     MIN_NGRAM_WITH_TREE tokens; when every row has a chain, the step verifies the root and the chain alone, at
     least as many nodes as the tree had. The proposer proposes one tree per size (one tree, or AdaptiveTree's
-    ladder): merged trees are built once per tree size and chain length."""
+    ladder, or a dynamic tree's shapes): merged trees are built once per tree shape and chain length."""
 
     def __init__(self, proposer: Proposer, documents: list[list[int]], chain_length: int):
         self.proposer, self.documents, self.chain_length = proposer, documents, chain_length
         self.modules, self.feature_layers = proposer.modules, proposer.feature_layers
         self.max_depth = max(proposer.max_depth, chain_length)
-        self.merged_trees: dict[tuple[int, int], Tree] = {}  # (tree nodes, chain length) -> the tree with the chain
+        self.merged_trees: dict[tuple[tuple, int], Tree] = {}  # (tree shape, chain length) -> the tree with the chain
 
     def start(self, prompt: Prompt) -> None:
         self.proposer.start(prompt)
@@ -249,7 +255,7 @@ class WithLookup(Proposer):
             num_tree_nodes = self.chain_start = 1
             candidates = Candidates(root[:, None], self.root_alone)
         self.lengths.append(length)
-        key = (num_tree_nodes, length)
+        key = (shape_of(candidates.tree), length)
         if key not in self.merged_trees:
             self.merged_trees[key] = tree_with_chain(candidates.tree, length).to(root.device)
         tree = self.merged_trees[key]

@@ -23,7 +23,7 @@ from .lookup import with_lookup
 from .loop import StepTimer, Streamer, decode
 from .output import GenerateOutput
 from .propose import heads_proposer
-from .tree import MedusaTree, build_tree, default_tree
+from .tree import DynamicTree, MedusaTree, build_tree, default_tree
 
 # The trees auto_tree() times by default (--tree auto, and tree=None once): 1, 2, 4, ..., 64 nodes after 64 tokens,
 # the fastest of 2 runs. For SmolLM2-135M on a 2-core CPU (a decoding step 67 ms) that took 2.1 s, where
@@ -47,6 +47,7 @@ class MedusaModel(nn.Module):
         # tree=None's measured trees per (device, dtype, batch) of the base model: costs differ by orders of magnitude
         # between them, and moving the model after a first generate() must not keep a table timed elsewhere.
         self._measured_trees: dict[tuple[torch.device, torch.dtype, int], list[dict]] = {}
+        self._dynamic_trees: dict[tuple[torch.device, torch.dtype, int], DynamicTree] = {}  # the same, eagle heads
         # The base model's fp32 CPU weights in oneDNN's layout, packed at the first generate() and kept while they
         # hold the same values (see columnwise.PackedWeights); here, not on the caller's model.
         self._packed_weights = PackedWeights()
@@ -153,6 +154,17 @@ class MedusaModel(nn.Module):
                 self._measured_trees[device, dtype, batch] = self.auto_tree(batch=batch)[1]
         return self._measured_trees[device, dtype, batch]
 
+    def dynamic_tree(self, batch: int = 1) -> DynamicTree:
+        """tree=None's tree for eagle heads, for a batch of `batch` rows: a DynamicTree (EAGLE-2) whose size each step
+        chooses from the draft's own probabilities and this machine's step costs (autotree.dynamic_tree), measured at
+        the first call (about 2 s for SmolLM2-135M on a 2-core CPU) and kept as tree_table keeps its table."""
+        device, dtype = model_device_dtype(self.base_model)
+        if (device, dtype, batch) not in self._dynamic_trees:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self._dynamic_trees[device, dtype, batch] = autotree.dynamic_tree(
+                    self, AUTO_SIZES, AUTO_CONTEXT, AUTO_REPEATS, batch, self._packed_weights)
+        return self._dynamic_trees[device, dtype, batch]
+
     def auto_tree(self, context: int = AUTO_CONTEXT, sizes: Sequence[int] = AUTO_SIZES,
                   repeats: int = AUTO_REPEATS, batch: int = 1) -> tuple[list[list[int]], list[dict]]:
         """The tree with the most expected tokens per second on this machine: verify-pass and drafting latency
@@ -177,7 +189,8 @@ class MedusaModel(nn.Module):
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, tree: list[list[int]] | None = None, streamer: Streamer | None = None,
+                 pad_token_id: int | None = None, tree: list[list[int]] | DynamicTree | None = None,
+                 streamer: Streamer | None = None,
                  lookup_tokens: int = 0, documents: list[list[int] | torch.Tensor] | None = None,
                  timer: StepTimer | None = None, generation_config: GenerationConfig | None = None) -> GenerateOutput:
         """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
@@ -191,9 +204,11 @@ class MedusaModel(nn.Module):
         do_sample, temperature, top_k, top_p: as in transformers' generate, each one not given comes from the
         generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0
         and top_p=1.0 turn those filters off. eos_token_id / pad_token_id default to the generation_config (pass
-        eos_token_id=[] to never stop early). `tree`: rank paths; None (default) picks one, see default_choices:
-        with the adapter's rank accuracies, the tree with the most expected tokens per second for step costs
-        measured at the first call on this machine, for this batch size (a few seconds; then kept on this
+        eos_token_id=[] to never stop early). `tree`: rank paths, or a DynamicTree for eagle heads; None (default)
+        picks one. Eagle heads draft a DynamicTree (EAGLE-2), each step's size chosen from the draft's probabilities
+        and step costs measured at the first call on this machine (see dynamic_tree). Other heads, see
+        default_choices: with the adapter's rank accuracies, the tree with the most expected tokens per second for
+        step costs measured at the first call on this machine, for this batch size (a few seconds; then kept on this
         MedusaModel), re-chosen every few steps for how often the heads guess right on this text (down to the
         root alone; stats.tree_sizes shows each step's), else the adapter's stored tree; an explicit tree is kept
         as given; `[]` turns speculation off (one token per step, same loop).
@@ -209,7 +224,10 @@ class MedusaModel(nn.Module):
         spec = self.spec
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
         rank_accuracy = self._rank_accuracy()
-        if tree is None and rank_accuracy:
+        if isinstance(tree, DynamicTree) or (tree is None and self.heads.draft_layer is not None):
+            dynamic = self.dynamic_tree(batch) if tree is None else tree
+            proposer = heads_proposer(self.base_model, self.heads, dynamic, self._packed_weights)
+        elif tree is None and rank_accuracy:
             table = self.tree_table(batch)
             # The root alone still drafts its one guess (AdaptiveTree's evidence): the heads' proposer on [[0]].
             first = autotree.best_tree(table, rank_accuracy)["tree"] or [[0]]

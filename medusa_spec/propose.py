@@ -26,7 +26,7 @@ from .eagle import DRAFT_LAYER_SPEC
 from .kv_cache import fork_prefix, new_cache
 from .output import GenerationStats
 from .slots import Slots
-from .tree import MedusaTree, Tree, chain_tree
+from .tree import DynamicTree, MedusaTree, Tree, chain_tree
 from .verify import attention_masks, layer_masks
 
 
@@ -260,18 +260,156 @@ class DraftLayerProposer(Proposer):
         self.root_output = outputs.gather(1, step.accept_length[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0]
 
 
-def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree,
+# A DynamicTree with step costs weighs each candidate by its path probability times (tokens its tree's nodes matched +
+# CALIBRATION_PRIOR) / (probabilities foretold + CALIBRATION_PRIOR), over the call so far: the prior, a few tokens at
+# a scale of 1, keeps the first steps from swinging the size.
+CALIBRATION_PRIOR = 8.0
+
+
+class DynamicDraftLayerProposer(DraftLayerProposer):
+    """Eagle heads on a DynamicTree (EAGLE-2; see tree.DynamicTree): each step drafts its candidates level by level,
+    a draft-layer pass over each level's beam, and hands over the best ones as that step's tree (a Tree built with
+    tensor ops, its nodes ordered by depth). One tree for every row of a batch: candidates rank by the probability
+    summed over the rows still generating, and each row's nodes hold its own tokens.
+
+    With step costs the size is chosen each step (size): the draft's probabilities say how many tokens the extra
+    nodes would add, and a scale learned over the call (the tokens the tree's nodes matched / the probabilities it
+    foretold) corrects them for how confident the draft is on this text. The choice needs the step's probabilities on
+    the host: one more sync a step on a GPU."""
+
+    def __init__(self, base_model: nn.Module, heads: nn.Module, tree: DynamicTree):
+        super().__init__(base_model, heads, chain_tree(0))  # the layout: the root alone, for a step that drafts nothing
+        self.dynamic = tree
+        self.max_depth = heads.num_heads
+
+    def start(self, prompt: Prompt) -> None:
+        super().start(prompt)
+        rows = prompt.root.shape[0]
+        self.going = torch.ones(rows, device=prompt.root.device)  # float: it weighs the rows' probabilities
+        self.rows_going = rows
+        self.matched = torch.zeros((), device=prompt.root.device)  # a device tensor: read at the next step's sync
+        self.foretold = 0.0
+        self.sizes: list[int] = []
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        heads, slots, top_k, device = self.heads, self.slots, self.dynamic.top_k, root.device
+        lm_head = self.base_model.get_output_embeddings()
+        depth = heads.num_heads
+        outputs = self.root_output[:, None]  # [B, n, H]: the draft layer's outputs at the slots of the beam
+        beam_logp = torch.zeros(root.shape[0], 1, device=device)  # [B, n]: each row's path log-probability there
+        beam_value = beam_paths = None
+        tokens, values, paths, levels, drafted = [], [], [], [], []
+        count = 0  # candidates so far: a candidate's index is its place in the order they were drafted
+        for d in range(1, depth + 1):
+            top = heads.draft_logits(d - 1, outputs, lm_head).float().log_softmax(-1).topk(top_k, dim=-1)
+            logp = (beam_logp[:, :, None] + top.values).flatten(1)  # [B, n * top_k]
+            index = torch.arange(count, count + logp.shape[1], device=device)
+            value = (logp.exp() * self.going[:, None]).sum(0)
+            # paths [n * top_k, depth]: each candidate's ancestors at depths 1 .. d, then itself repeated.
+            if beam_value is None:
+                path = index[:, None].expand(-1, depth).clone()
+            else:  # never above its parent (rounding), so the best candidates always hold their parents
+                value = torch.minimum(value, beam_value.repeat_interleave(top_k))
+                path = beam_paths.repeat_interleave(top_k, dim=0)
+                path[:, d - 1:] = index[:, None]
+            tokens.append(heads.token_ids(top.indices).flatten(1))
+            values.append(value)
+            paths.append(path)
+            levels.append(count + logp.shape[1])
+            count += logp.shape[1]
+            if d == depth:
+                break  # the deepest candidates' slots would only guess below the tree
+            kept = value.topk(min(self.dynamic.beam, value.numel())).indices
+            drafted.append(index[kept])
+            # The beam's slots, appended after the committed ones and those drafted before: each sees the committed
+            # slots, its ancestors' and its own.
+            q_pos, kv_valid, kv_pos = slots.verify_inputs(torch.full_like(kept, d - 1))
+            allowed = kv_valid[:, None, :].expand(-1, kept.numel(), -1).clone()
+            allowed[:, :, slots.past:] = (path[kept][:, :, None] == torch.cat(drafted)).any(1)
+            mask = layer_masks(DRAFT_LAYER_SPEC, allowed, q_pos, kv_pos, outputs.dtype)
+            outputs = heads.draft_layer(outputs[:, kept // top_k], self.embed(tokens[-1][:, kept]), mask, q_pos,
+                                        slots.cache)
+            beam_logp, beam_value, beam_paths = logp[:, kept], value[kept], path[kept]
+        # Best first; a child that ties its parent comes after it (stable, and parents were drafted first).
+        order = torch.sort(torch.cat(values), descending=True, stable=True)
+        *ordered, matched = torch.cat([order.values, self.matched[None]]).tolist()  # the step's host sync
+        n = self.size(ordered, matched)
+        self.sizes.append(n)
+        self.foretold_now = sum(ordered[: n - 1])
+        if n == 1:
+            self.tree = self.layout
+            return Candidates(root[:, None], self.layout)
+        chosen = order.indices[: n - 1].sort().values  # by index: by depth, every parent before its children
+        node_of = torch.zeros(count, dtype=torch.long, device=device)
+        node_of[chosen] = torch.arange(1, n, device=device)
+        chosen_depth = torch.bucketize(chosen, torch.tensor(levels, device=device), right=True) + 1
+        node_paths = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=device),
+                                torch.cat([torch.zeros(1, depth, dtype=torch.long, device=device),
+                                           node_of[torch.cat(paths)[chosen]]])], dim=1)
+        tree_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen_depth])
+        tree_mask = (node_paths[:, :, None] == torch.arange(n, device=device)).any(1)
+        parent = node_paths.gather(1, (tree_depth - 1).clamp(min=0)[:, None])[:, 0]
+        self.tree = Tree(tree_depth, parent, tree_mask, node_paths)
+        node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1)[:, chosen]], dim=1)
+        self.node_tokens = node_tokens
+        return Candidates(node_tokens, self.tree)
+
+    def size(self, ordered: list[float], matched: float) -> int:
+        """The step's tree size, root included, for the candidates' probabilities `ordered` (best first, summed over
+        the rows still generating): `nodes`, or with step costs the size with the most expected tokens per ms."""
+        most = min(self.dynamic.nodes, len(ordered) + 1)
+        step_ms = self.dynamic.step_ms
+        if step_ms is None:
+            return most
+        scale = (matched + CALIBRATION_PRIOR) / (self.foretold + CALIBRATION_PRIOR)
+        expected = self.rows_going  # each row's own token
+        best, best_rate = 1, expected / step_ms[0]
+        for n in range(2, most + 1):
+            expected += scale * ordered[n - 2]
+            if expected / step_ms[n - 1] > best_rate:
+                best, best_rate = n, expected / step_ms[n - 1]
+        return best
+
+    def update(self, step: StepResult) -> None:
+        super().update(step)
+        # Evidence for the scale: how deep each row's emitted tokens (the accepted ones and the bonus: the base model's
+        # own) run along this step's tree, whichever candidates the pass verified (a lookup chain's, say).
+        if self.tree.num_nodes > 1:
+            paths = self.tree.node_paths[:, 1:]  # [N, depth]
+            emitted = step.new_tokens[:, : paths.shape[1]]
+            emitted = torch.nn.functional.pad(emitted, (0, paths.shape[1] - emitted.shape[1]), value=-1)
+            valid = torch.arange(emitted.shape[1], device=emitted.device) <= step.accept_length[:, None]
+            emitted = emitted.masked_fill(~valid, -1)
+            below = torch.arange(paths.shape[1], device=paths.device) < self.tree.depth[:, None]  # [N, depth]
+            agree = (self.node_tokens[:, paths] == emitted[:, None, :]) | ~below  # [B, N, depth]
+            reached = (agree.all(-1) * self.tree.depth).amax(-1)  # [B]: the deepest node on the emitted path
+            self.matched = self.matched + (reached * step.active).sum()
+            self.foretold += self.foretold_now
+        self.going = step.going.to(self.going.dtype)
+        self.rows_going = sum(step.host.going)
+
+    def finish(self, stats: GenerationStats) -> None:
+        stats.tree_sizes = self.sizes
+
+
+def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree | DynamicTree,
                    packs: PackedWeights | None = None) -> Proposer:
     """The heads on `tree` (through a column-wise copy: see columnwise), or RootOnly for a root-only tree (no heads
-    needed). `packs`: the caller's packed weights (columnwise.PackedWeights), which the copy's layers and its draft
-    vocabulary's projection then compute from: SmolLM2-135M's 4,096-token projection took 0.40 ms for 3 rows from
-    its plain weight and 0.10 from its pack (hot in cache; heads draft 3 levels a step)."""
-    if tree.num_nodes == 1:
+    needed); a DynamicTree takes eagle heads. `packs`: the caller's packed weights (columnwise.PackedWeights), which
+    the copy's layers and its draft vocabulary's projection then compute from: SmolLM2-135M's 4,096-token projection
+    took 0.40 ms for 3 rows from its plain weight and 0.10 from its pack (hot in cache; heads draft 3 levels a step)."""
+    dynamic = isinstance(tree, DynamicTree)
+    if dynamic and getattr(heads, "draft_layer", None) is None:
+        raise ValueError("a DynamicTree needs eagle heads (head_type='eagle'), which draft each level from the one "
+                         "above; give these heads a tree of rank paths instead")
+    if not dynamic and tree.num_nodes == 1:
         return RootOnly()
     original, heads = heads, columnwise_copy(heads, packs=packs)
     draft_lm_weight = getattr(heads, "draft_lm_weight", None)
     if packs is not None and heads is not original and draft_lm_weight is not None:
         vars(heads)["draft_lm_packed"] = packs.get(draft_lm_weight)  # on the copy only (see MedusaHeads.project)
+    if dynamic:
+        return DynamicDraftLayerProposer(base_model, heads, tree)
     if getattr(heads, "draft_layer", None) is not None:
         return DraftLayerProposer(base_model, heads, tree)
     return HeadsProposer(base_model, heads, tree)

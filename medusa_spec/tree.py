@@ -178,3 +178,31 @@ def default_tree(num_heads: int, num_nodes: int = 16) -> list[list[int]]:
     prior = [[_PRIOR_TOP1[min(k, len(_PRIOR_TOP1) - 1)] * decay for decay in _PRIOR_RANK_DECAY]
              for k in range(num_heads)]
     return grow_tree(prior, num_nodes)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """Eagle heads' tree chosen anew each step from their own confidence (EAGLE-2), in place of a fixed layout.
+
+    Level by level, the `beam` candidates with the highest path probability (the product of the draft's probabilities
+    along the path; for a batch, summed over the rows still generating) take `top_k` children each, drafted by one
+    draft-layer pass over the beam; the step's tree is the best candidates by that probability (a child never scores
+    above its parent, so they form a tree). How many: `nodes` (root included), or with `step_ms` the size n <= nodes
+    with the most expected tokens per millisecond, step_ms[n - 1] being a step's cost with n nodes and the expected
+    tokens the rows' own ones plus the chosen candidates' probabilities, scaled by how well the probabilities have
+    foretold the accepted lengths so far in the call (see propose.DynamicDraftLayerProposer).
+    """
+
+    nodes: int
+    top_k: int = 4
+    beam: int = 4
+    step_ms: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("nodes", "top_k", "beam"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DynamicTree: {name} must be an integer >= 1, got {value!r}")
+        if self.step_ms is not None and len(self.step_ms) < self.nodes:
+            raise ValueError(f"DynamicTree: step_ms holds {len(self.step_ms)} costs, one per tree size 1 .. nodes="
+                             f"{self.nodes} needed")

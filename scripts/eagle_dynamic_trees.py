@@ -3,13 +3,14 @@
     python scripts/eagle_dynamic_trees.py --heads DIR [--nodes 8 12] [--top-k 4] [--beam 4] [--extra-depth 2]
         [--prompts FILE[:N] ...] [--per-category 1] [--max-new-tokens 128]
 
-A measurement, not yet a decoding option of the library. The static tree of N nodes is the one `medusa-spec tree
---nodes N` grows from the adapter's stored rank accuracies. The dynamic one is chosen anew each step from the heads'
-own confidence: at each depth the `--beam` nodes with the highest path log-probability (the sum of the heads'
-log-probabilities along the path, over the draft vocabulary) take `--top-k` children each, drafted by one draft-layer
-pass over those nodes; the step's tree is then the N - 1 best of all children by that score (a child never scores
-above its parent, so they form a tree). `--extra-depth K` lets the dynamic tree reach K levels deeper than the
-adapter's heads: the draft layer drafts any depth, and the deeper levels read the last head's residual block.
+The static tree of N nodes is the one `medusa-spec tree --nodes N` grows from the adapter's stored rank accuracies;
+the dynamic one, the library's DynamicTree(N, --top-k, --beam) (what generate(tree=None) drafts for eagle heads, there
+with its size chosen each step), is chosen anew each step from the heads' own confidence: at each depth the `--beam`
+nodes with the highest path probability (the product of the heads' probabilities along the path, over the draft
+vocabulary) take `--top-k` children each, drafted by one draft-layer pass over those nodes; the step's tree is then
+the N - 1 best of all children by that score (a child never scores above its parent, so they form a tree).
+`--extra-depth K` lets the dynamic tree reach K levels deeper than the adapter's heads: the draft layer drafts any
+depth, and the deeper levels read the last head's residual block.
 
 Greedy, one prompt at a time (batch 1), every output checked against the static tree's (the verify pass decides,
 so every tree gives the base model's own tokens). For each prompt the configurations run one after the other, in
@@ -27,68 +28,14 @@ import time
 
 import torch
 
-from medusa_spec import MedusaModel, default_model
+from medusa_spec import DynamicTree, MedusaModel, default_model
 from medusa_spec.bench import MT_BENCH, encode, read_eval_prompts
-from medusa_spec.eagle import DRAFT_LAYER_SPEC
 from medusa_spec.inputs import resolve_sampling, special_tokens
 from medusa_spec.io import load_adapter, save_adapter
 from medusa_spec.loop import decode
-from medusa_spec.propose import Candidates, DraftLayerProposer, heads_proposer
+from medusa_spec.propose import heads_proposer
 from medusa_spec.train.load import load_model_and_tokenizer
-from medusa_spec.tree import MedusaTree, build_tree, grow_tree
-from medusa_spec.verify import layer_masks
-
-
-@functools.lru_cache(maxsize=None)
-def tree_of(choices: tuple[tuple[int, ...], ...]) -> MedusaTree:
-    return build_tree([list(path) for path in choices])
-
-
-class DynamicDraftLayerProposer(DraftLayerProposer):
-    """A DraftLayerProposer whose tree is chosen each step (batch 1): `nodes` nodes, root included."""
-
-    def __init__(self, base_model, heads, nodes: int, top_k: int, beam: int):
-        super().__init__(base_model, heads, build_tree([[0]]))  # the layout is unused: each step makes its own
-        self.nodes, self.top_k, self.beam = nodes, top_k, beam
-        self.max_depth = heads.num_heads
-
-    def propose(self, root: torch.Tensor) -> Candidates:
-        heads, slots = self.heads, self.slots
-        lm_head = self.base_model.get_output_embeddings()
-        outputs = self.root_output[:, None]  # [1, n, H]: the draft layer's outputs at the beam's slots
-        scores = torch.zeros(1)
-        beam_paths: list[tuple[int, ...]] = [()]  # rank paths of the beam (the root's: ())
-        self.slot_paths: list[tuple[int, ...]] = []  # rank paths of the step's drafted slots, in slot order
-        paths, tokens, path_scores = [], [], []
-        for d in range(1, heads.num_heads + 1):
-            logits = heads.draft_logits(d - 1, outputs, lm_head)[0]  # [n, V']
-            top = logits.log_softmax(-1).topk(self.top_k, dim=-1)
-            child_scores = (scores[:, None] + top.values).flatten()
-            child_tokens = heads.token_ids(top.indices).flatten()
-            child_paths = [path + (r,) for path in beam_paths for r in range(self.top_k)]
-            paths += child_paths
-            tokens.append(child_tokens)
-            path_scores.append(child_scores)
-            if d == heads.num_heads:
-                break
-            kept = child_scores.topk(min(self.beam, len(child_paths))).indices
-            beam_paths = [child_paths[i] for i in kept.tolist()]
-            # The beam's slots: each sees the committed slots, its ancestors' drafted slots and itself.
-            q_pos, kv_valid, kv_pos = slots.verify_inputs(torch.full((len(beam_paths),), d - 1, device=root.device))
-            self.slot_paths += beam_paths
-            allowed = kv_valid[:, None, :].expand(-1, len(beam_paths), -1).clone()
-            allowed[:, :, slots.past:] = torch.tensor([[path[: len(slot)] == slot for slot in self.slot_paths]
-                                                       for path in beam_paths])
-            mask = layer_masks(DRAFT_LAYER_SPEC, allowed, q_pos, kv_pos, outputs.dtype)
-            outputs = heads.draft_layer(outputs[:, kept // self.top_k], self.embed(child_tokens[kept])[None], mask,
-                                        q_pos, slots.cache)
-            scores = child_scores[kept]
-        score = torch.cat(path_scores).tolist()
-        # Best first; a child that ties its parent comes after it (a stable sort over candidates listed by level).
-        best = {paths[i]: i for i in sorted(range(len(paths)), key=lambda i: -score[i])[: self.nodes - 1]}
-        tree = tree_of(tuple(sorted(best, key=lambda path: (len(path), path))))
-        node_tokens = torch.cat([root, torch.cat(tokens)[[best[path] for path in tree.choices]]])[None]
-        return Candidates(node_tokens, tree.to(root.device))
+from medusa_spec.tree import build_tree, grow_tree
 
 
 def deeper(heads_dir: str, extra: int, folder: str) -> str:
@@ -124,12 +71,12 @@ def main() -> None:
         drafting = MedusaModel.from_pretrained(base, deeper(args.heads, args.extra_depth, folder)) \
             if args.extra_depth else mm
     packs = mm._packed_weights
-    heads = heads_proposer(base, drafting.heads, build_tree([[0]]), packs).heads  # the decoding loop's packed copy
     makers = {}
     for n in args.nodes:
         static = build_tree(grow_tree(accuracy, n))
         makers[f"static {n}"] = functools.partial(heads_proposer, base, mm.heads, static, packs)
-        makers[f"dynamic {n}"] = functools.partial(DynamicDraftLayerProposer, base, heads, n, args.top_k, args.beam)
+        makers[f"dynamic {n}"] = functools.partial(heads_proposer, base, drafting.heads,
+                                                   DynamicTree(n, args.top_k, args.beam), packs)
     sampling, (eos, pad) = resolve_sampling(base, False), special_tokens(base, None, None)
     new_tokens, steps, seconds = (dict.fromkeys(makers, 0) for _ in range(3))
     identical = dict.fromkeys(makers, True)

@@ -149,11 +149,11 @@ def test_sampling_with_dependent_heads_and_a_reduced_vocabulary_matches_the_base
     assert_samples_follow_the_base(mm, ids, sampling)
 
 
-def assert_samples_follow_the_base(mm, ids, sampling):
+def assert_samples_follow_the_base(mm, ids, sampling, tree=SAMPLING_TREE):
     """The first three sampled tokens of ROWS rows (a 6-token vocabulary) against their exact joint law."""
     torch.manual_seed(0)
     out = mm.generate(ids.expand(ROWS, -1), max_new_tokens=NEW, do_sample=True, temperature=sampling.temperature,
-                      top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=[], tree=SAMPLING_TREE)
+                      top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=[], tree=tree)
     new = out.sequences[:, ids.shape[1]:]
     counts = torch.bincount(new[:, 0] * 36 + new[:, 1] * 6 + new[:, 2], minlength=216).double()
     assert out.stats.accepted_at_depth[1] > ROWS // 20, "too little acceptance to test the tree path"

@@ -259,8 +259,8 @@ def test_a_new_draft_layer_passes_the_state_through():
 
 
 def test_the_default_tree_is_timed_with_the_draft_layer_and_stays_lossless():
-    """tree=None with measured accuracies: auto_tree times the draft layer's steps (copies of one started
-    proposer) and the chosen tree generates the base's greedy text."""
+    """With measured accuracies auto_tree times the draft layer's steps on static trees (copies of one started
+    proposer); tree=None takes a dynamic tree (test_dynamic_tree) and generates the base's greedy text."""
     model = tiny_model("llama")
     mm = eagle_heads(model, num_heads=2)
     mm.config.metrics = {"eval": {"rank_accuracy": [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1]]}}

@@ -25,7 +25,7 @@ from medusa_spec.lookup import (
 )
 from medusa_spec.output import GenerationStats
 from medusa_spec.propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult
-from medusa_spec.tree import build_tree
+from medusa_spec.tree import build_tree, chain_tree
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
 from test_sampling import SETTINGS, chi_square_p_value, exact_joint, triple_counts
@@ -232,6 +232,28 @@ def test_beside_a_tree_a_chain_needs_a_three_token_match_and_then_replaces_the_t
     # with its last token and cannot reach its copy: add_chain).
     batch = candidates([[5, 6, 7, 8, 9, 5, 6], [2, 1, 5, 6, 4, 8, 6]], torch.tensor([7, 7]), chain_length=3)
     assert batch == [[3, 3, 3, 3, 3, 8, 9, 5], [3, 3, 3, 3, 3, 7, 7, 7]]
+
+
+def test_a_chain_hangs_beside_the_tree_the_proposer_gave_that_step():
+    """Trees of one size but other shapes from step to step (a dynamic tree's, or rank paths): each step's merged
+    tree begins with that step's tree, not with a merged tree built for an earlier tree of the same size."""
+    shapes = [build_tree([[0], [1]]), build_tree([[0], [0, 0]]), chain_tree(2), build_tree([[0], [1]])]
+
+    class Shifting(Proposer):
+        def start(self, prompt):
+            self.trees = iter(shapes)
+
+        def propose(self, root):
+            return Candidates(torch.full((root.shape[0], 3), 3), next(self.trees))
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6], [2, 1, 5, 6, 4, 8, 6]])  # a chain in the first row only
+    proposer = WithLookup(Shifting(), [], 3)
+    root = torch.tensor([7, 7])
+    proposer.start(Prompt(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros(*ids.shape, 4), root, None))
+    for tree in shapes:
+        merged = proposer.propose(root).tree
+        assert merged.num_nodes == 6 and torch.equal(merged.tree_mask[:3, :3], tree.tree_mask)
+    assert len(proposer.merged_trees) == 3  # the last tree's shape came before: its merged tree is reused
 
 
 def test_chain_length_adapts_as_assisted_decoding_does():

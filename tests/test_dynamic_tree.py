@@ -1,0 +1,262 @@
+"""Eagle heads on dynamic trees (tree.DynamicTree, propose.DynamicDraftLayerProposer): each step's tree is the
+candidates a plain per-row beam search rates best, each node holds what the draft layer drafts down its own path,
+decoding through such trees is lossless, and with step costs the size follows the draft's confidence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_spec import DynamicTree, MedusaConfig, MedusaModel, autotree
+from medusa_spec.inputs import resolve_sampling
+from medusa_spec.kv_cache import new_cache
+from medusa_spec.lookup import with_lookup
+from medusa_spec.loop import decode
+from medusa_spec.propose import DynamicDraftLayerProposer, Prompt
+from medusa_spec.slots import prefill
+from test_dependent_heads import assert_samples_follow_the_base, random_heads
+from test_eagle import eagle_heads, run_chain
+from test_generate import left_padded, prompt, reference_generate
+from test_sampling import SETTINGS
+from tiny_models import tiny_model
+
+
+def reference_tree(mm, ids, mask, hidden, root, nodes, top_k, beam):
+    """The step's tree by brute force: every candidate's tokens and path log-probabilities row by row, each beam
+    node's draft-layer output from running the layer down the node's own path alone (run_chain); candidates rank
+    by their probability summed over the rows, never above their parent's. Returns (parent and depth of each node,
+    node tokens [B, N], {(row, path of candidate indices): output} for the beam's slots)."""
+    embed, lm_head = mm.base_model.get_input_embeddings(), mm.base_model.get_output_embeddings()
+    rows = range(ids.shape[0])
+    real = [mask[b].bool() for b in rows]
+    texts = [torch.cat([ids[b, real[b]], root[b: b + 1]]) for b in rows]
+
+    def down(b, path_tokens):
+        next_embeds = embed(torch.cat([texts[b][1:], torch.tensor(path_tokens, dtype=torch.long)]))
+        states = mm.heads.features(hidden[b, real[b]])
+        return run_chain(mm.heads.draft_layer, states, next_embeds, torch.arange(len(states)), len(path_tokens) + 1)[-1]
+
+    candidates = []  # dicts: parent (candidate index or None), depth, tokens [per row], logp [per row], value
+    beam_nodes = [None]
+    outputs = {}
+    for d in range(1, mm.heads.num_heads + 1):
+        level = []
+        for parent in beam_nodes:
+            path = [] if parent is None else path_of(candidates, parent)
+            per_row = []
+            for b in rows:
+                out = down(b, [candidates[c]["tokens"][b] for c in path])
+                if path:
+                    outputs[b, tuple(path)] = out
+                logp = mm.heads.draft_logits(d - 1, out, lm_head).float().log_softmax(-1).topk(top_k)
+                base = 0.0 if parent is None else candidates[parent]["logp"][b]
+                per_row.append([(int(mm.heads.token_ids(i)), base + float(v))
+                                for v, i in zip(logp.values, logp.indices)])
+            for r in range(top_k):
+                logps = [per_row[b][r][1] for b in rows]
+                value = sum(torch.tensor(logps).exp().tolist())
+                if parent is not None:
+                    value = min(value, candidates[parent]["value"])
+                level.append({"parent": parent, "depth": d, "tokens": [per_row[b][r][0] for b in rows],
+                              "logp": logps, "value": value})
+        first = len(candidates)
+        candidates += level
+        beam_nodes = sorted(range(first, len(candidates)), key=lambda c: -candidates[c]["value"])[:beam]
+    best = sorted(sorted(range(len(candidates)), key=lambda c: -candidates[c]["value"])[: nodes - 1])
+    node_of = {None: 0} | {c: i + 1 for i, c in enumerate(best)}
+    parents = [0] + [node_of[candidates[c]["parent"]] for c in best]
+    depths = [0] + [candidates[c]["depth"] for c in best]
+    tokens = torch.tensor([[int(root[b])] + [candidates[c]["tokens"][b] for c in best] for b in rows])
+    return parents, depths, tokens, outputs
+
+
+def path_of(candidates, c):
+    path = []
+    while c is not None:
+        path.insert(0, c)
+        c = candidates[c]["parent"]
+    return path
+
+
+def started(mm, ids, mask, root, tree):
+    """A DynamicDraftLayerProposer on mm's own heads, started after a prefill of ids, as the decoding loop starts it."""
+    _, hidden, _ = prefill(mm.base_model, mm.spec, ids, mask, new_cache(), feature_layers=mm.heads.feature_layers)
+    proposer = DynamicDraftLayerProposer(mm.base_model, mm.heads, tree)
+    proposer.start(Prompt(ids, mask, hidden, root, None))
+    return proposer, hidden
+
+
+@pytest.mark.parametrize("nodes, top_k, beam", [(6, 2, 2), (10, 3, 2), (12, 4, 3)])
+def test_the_tree_is_what_a_per_row_beam_search_rates_best(nodes, top_k, beam):
+    """A left-padded batch of two rows: the tree's shape, every node's token in each row, and the draft layer's
+    output at every beam slot against reference_tree (so the beam's slots, masks and positions are right for
+    siblings and cousins, each row on its own path), and the tree's masks against its parents."""
+    model = tiny_model("llama")
+    # Heads sharp enough that the two rows rank the candidates below depth 1 differently: the sum decides.
+    mm = random_heads(model, seed=2, scale=1.0, head_type="eagle", num_heads=3, draft_vocab_size=40)
+    ids, mask = left_padded([prompt(seed=4)[0, :9], prompt(seed=5)[0, :6]])
+    mask, root = mask.bool(), torch.tensor([11, 3])
+    slot_outputs = []
+    forward = mm.heads.draft_layer.forward
+    with torch.no_grad():
+        proposer, hidden = started(mm, ids, mask, root, DynamicTree(nodes, top_k, beam))
+        mm.heads.draft_layer.forward = lambda *args, **kwargs: slot_outputs.append(forward(*args, **kwargs)) or \
+            slot_outputs[-1]
+        candidates = proposer.propose(root)
+        del mm.heads.draft_layer.forward
+        parents, depths, tokens, outputs = reference_tree(mm, ids, mask, hidden, root, nodes, top_k, beam)
+    tree = candidates.tree
+    assert tree.parent.tolist() == parents and tree.depth.tolist() == depths and max(depths) >= 2
+    assert torch.equal(candidates.node_tokens, tokens)
+    expected_mask = torch.eye(nodes, dtype=torch.bool)
+    for i in range(1, nodes):
+        expected_mask[i] |= expected_mask[parents[i]]
+    assert torch.equal(tree.tree_mask, expected_mask)
+    assert torch.equal(tree.node_paths[torch.arange(nodes), tree.depth], torch.arange(nodes))
+    drafted = torch.cat(slot_outputs, dim=1)  # [B, beam slots, H], in the order they were drafted
+    for b in range(2):
+        paths = [path for row, path in outputs if row == b]  # by depth, then as the beam ranked them
+        assert drafted.shape[1] == len(paths)
+        for i, path in enumerate(paths):
+            assert torch.allclose(drafted[b, i], outputs[b, path], atol=1e-4), (b, path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoding_on_dynamic_trees_is_lossless(arch):
+    """A left-padded batch of rows of different lengths, each row's greedy text as transformers gives it alone: on
+    fixed-size dynamic trees, beside a lookup chain, and with tree=None (step costs measured, the size chosen each
+    step)."""
+    model = tiny_model(arch)
+    mm = eagle_heads(model, num_heads=3)
+    rows = [prompt(seed=6)[0, :10], prompt(seed=7)[0, :5]]
+    ids, mask = left_padded(rows)
+    new = 24
+    texts = [reference_generate(model, row[None], max_new_tokens=new, eos_token_id=None)[0] for row in rows]
+    documents = [text[len(row) + 8:].tolist() for text, row in zip(texts, rows)]
+    runs = {"dynamic 9": dict(tree=DynamicTree(9)), "dynamic 5, top-2 beam-2": dict(tree=DynamicTree(5, 2, 2)),
+            "with lookup": dict(tree=DynamicTree(9), lookup_tokens=4, documents=documents),
+            "tree=None": dict(tree=None)}
+    for name, options in runs.items():
+        out = mm.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], **options)
+        for b, row in enumerate(rows):
+            assert torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]), (name, b)
+        assert out.stats.tree_sizes and len(out.stats.tree_sizes) == out.stats.steps - 1, name
+        assert out.stats.steps <= new, name  # some steps took more than one token
+    assert set(mm._dynamic_trees) == {(torch.device("cpu"), torch.float32, 2)}
+
+
+@pytest.mark.parametrize("sampling", SETTINGS[1:3], ids=str)
+def test_sampling_on_dynamic_trees_matches_the_base(sampling):
+    model = tiny_model("llama", vocab_size=6)
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type="eagle", draft_vocab_size=4))
+    mm.heads.set_token_map(torch.tensor([4, 1, 0, 3]), model.get_output_embeddings())
+    assert_samples_follow_the_base(mm, torch.tensor([[3, 5, 4, 1]]), sampling, tree=DynamicTree(5, top_k=2, beam=2))
+
+
+def test_the_size_is_the_one_with_the_most_expected_tokens_per_ms():
+    """Two rows generating: n nodes expect 2 tokens plus the n - 1 best probabilities, times the scale (matched + 8)
+    / (foretold + 8)."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=3)
+    ids, mask = left_padded([prompt(seed=4)[0, :9], prompt(seed=5)[0, :6]])
+    step_ms = (10.0, 11.0, 12.0, 13.0, 30.0)
+    proposer, _ = started(mm, ids, mask.bool(), torch.tensor([1, 2]), DynamicTree(5, step_ms=step_ms))
+    ordered = [1.6, 1.2, 0.5, 0.4, 0.3]
+    rates = lambda scale: [(2 + scale * sum(ordered[: n - 1])) / step_ms[n - 1] for n in range(1, 6)]  # noqa: E731
+    assert proposer.size(ordered, matched=0.0) == 1 + max(range(5), key=lambda i: rates(1.0)[i]) == 4
+    proposer.foretold = 120.0  # the probabilities foretold 120 tokens where none matched: no node pays
+    assert proposer.size(ordered, matched=0.0) == 1 + max(range(5), key=lambda i: rates(8 / 128)[i]) == 1
+    assert proposer.size(ordered, matched=112.0) == 1 + max(range(5), key=lambda i: rates(120 / 128)[i]) == 4
+    unpriced, _ = started(mm, ids, mask.bool(), torch.tensor([1, 2]), DynamicTree(4))
+    assert unpriced.size(ordered, matched=0.0) == 4
+
+
+class Recording(DynamicDraftLayerProposer):
+    """Keeps, per step, the increase of the matched count, and what it should be: summed over the rows generating,
+    the depth of the deepest node whose path's tokens are the row's first emitted tokens (accepted ones, the bonus)."""
+
+    def start(self, prompt):
+        super().start(prompt)
+        self.counted, self.expected = [], []
+
+    def update(self, step):
+        expected = 0
+        if self.tree.num_nodes > 1:
+            parents, tokens = self.tree.parent.tolist(), self.node_tokens.tolist()
+            for b, (length, active) in enumerate(zip(step.host.accept_length, step.host.active)):
+                emitted, reached = step.new_tokens[b, : length + 1].tolist(), 0
+                for i in range(1, len(parents)):
+                    path, node = [], i
+                    while node:
+                        path.insert(0, tokens[b][node])
+                        node = parents[node]
+                    if emitted[: len(path)] == path:
+                        reached = max(reached, len(path))
+                expected += reached if active else 0
+        self.expected.append(expected)
+        before = float(self.matched)
+        super().update(step)
+        self.counted.append(float(self.matched) - before)
+
+
+def test_the_scale_counts_how_deep_the_emitted_tokens_run_along_the_tree():
+    """Beside a lookup chain into the base's own text (so some steps emit what the chain, not the tree, held) and
+    rows that finish at different steps."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=3)
+    rows = [prompt(seed=8)[0, :9], prompt(seed=9)[0, :6]]
+    ids, mask = left_padded(rows)
+    texts = [reference_generate(model, row[None], max_new_tokens=20, eos_token_id=None)[0] for row in rows]
+    documents = [text[len(row) + 6:].tolist() for text, row in zip(texts, rows)]
+    recording = Recording(model, mm.heads, DynamicTree(7))
+    out = decode(model, mm.spec, with_lookup(recording, 4, documents, mm.spec.vocab_size), ids, mask.bool(), 20,
+                 resolve_sampling(model, False, None, None, None), [], 0)
+    for b, row in enumerate(rows):
+        assert torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):])
+    assert recording.counted == recording.expected and sum(recording.expected) > 0
+    assert out.stats.lookup_accepted > 0
+
+
+def test_a_dynamic_tree_needs_eagle_heads_and_sound_settings():
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    with pytest.raises(ValueError, match=r"a DynamicTree needs eagle heads \(head_type='eagle'\)"):
+        mm.generate(prompt(), max_new_tokens=4, tree=DynamicTree(4))
+    with pytest.raises(ValueError, match="DynamicTree: beam must be an integer >= 1, got 0"):
+        DynamicTree(4, beam=0)
+    with pytest.raises(ValueError, match=r"step_ms holds 2 costs, one per tree size 1 .. nodes=4 needed"):
+        DynamicTree(4, step_ms=(1.0, 2.0))
+
+
+def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
+    """dynamic_tree times dynamic steps at 1, 2, 4, ... nodes up to as many as the beam drafts (3 heads, top-4,
+    beam 4: 4 + 2 x 16 candidates), takes for each size the least time of it or any larger one (a smaller tree never
+    costs more; a larger timing below it was a busy moment), interpolates between them, and is kept per batch size."""
+    mm = eagle_heads(tiny_model("llama"), num_heads=3)
+    calls = []
+    seconds = {1: 0.040, 2: 0.050, 4: 0.030, 8: 0.050, 16: 0.060, 32: 0.080, 37: 0.090}
+
+    def measure(model, sizes, context, repeats, batch, packs, dynamic):
+        calls.append((tuple(sizes), batch, dynamic))
+        return {n: seconds[n] for n in sizes}, dict.fromkeys(sizes, 0.005)
+
+    monkeypatch.setattr(autotree, "measure_step_costs", measure)
+    tree = mm.dynamic_tree(2)
+    assert calls == [((1, 2, 4, 8, 16, 32, 37), 2, True)]
+    assert tree.nodes == 37 and len(tree.step_ms) == 37
+    assert [round(tree.step_ms[n - 1], 6) for n in (1, 2, 3, 4, 6, 8, 16, 24, 37)] == \
+        [35.0, 35.0, 35.0, 35.0, 45.0, 55.0, 65.0, 75.0, 95.0]
+    assert mm.dynamic_tree(2) is tree and len(calls) == 1
+    mm.dynamic_tree(1)
+    assert len(calls) == 2
+
+
+def test_measured_dynamic_steps_time_the_dynamic_drafting(monkeypatch):
+    mm = eagle_heads(tiny_model("llama"), num_heads=2)
+    proposed = []
+    propose = DynamicDraftLayerProposer.propose
+    monkeypatch.setattr(DynamicDraftLayerProposer, "propose",
+                        lambda self, root: proposed.append(self.dynamic.nodes) or propose(self, root))
+    latency, drafting = autotree.measure_step_costs(mm, sizes=(1, 3, 5), context=16, repeats=2, dynamic=True)
+    assert set(latency) == set(drafting) == {1, 3, 5} and all(s > 0 for s in drafting.values())
+    assert sorted(set(proposed)) == [1, 3, 5] and len(proposed) == 3 * (1 + 2)  # a warm-up, then each repeat
