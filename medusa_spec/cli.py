@@ -99,7 +99,7 @@ def _auto_tree(mm):
     rank accuracies in the heads, the tree measured on this machine, then re-chosen as the heads guess on the text
     (see MedusaModel.default_choices), else the heads' own tree.
     Returns (tree, the measured table: verify and drafting milliseconds and expected figures per tree size)."""
-    if mm.heads.draft_layer is not None:
+    if getattr(mm.heads, "draft_layer", None) is not None:
         dynamic = mm.dynamic_tree()
         table = [{"nodes": n, "step_ms": round(ms, 2)} for n, ms in enumerate(dynamic.step_ms, 1)]
         print(f"[tree auto: eagle heads on a dynamic tree, 1-{dynamic.nodes} nodes chosen each step from the draft's "

@@ -224,7 +224,7 @@ class MedusaModel(nn.Module):
         spec = self.spec
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
         rank_accuracy = self._rank_accuracy()
-        if isinstance(tree, DynamicTree) or (tree is None and self.heads.draft_layer is not None):
+        if isinstance(tree, DynamicTree) or (tree is None and getattr(self.heads, "draft_layer", None) is not None):
             dynamic = self.dynamic_tree(batch) if tree is None else tree
             proposer = heads_proposer(self.base_model, self.heads, dynamic, self._packed_weights)
         elif tree is None and rank_accuracy:
