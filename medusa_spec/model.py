@@ -205,13 +205,13 @@ class MedusaModel(nn.Module):
         generation_config, else transformers' default (greedy; top_k=50 when sampling); top_k=0
         and top_p=1.0 turn those filters off. eos_token_id / pad_token_id default to the generation_config (pass
         eos_token_id=[] to never stop early). `tree`: rank paths, or a DynamicTree for eagle heads; None (default)
-        picks one. Eagle heads draft a DynamicTree (EAGLE-2), each step's size chosen from the draft's probabilities
-        and step costs measured at the first call on this machine (see dynamic_tree). Other heads, see
-        default_choices: with the adapter's rank accuracies, the tree with the most expected tokens per second for
-        step costs measured at the first call on this machine, for this batch size (a few seconds; then kept on this
-        MedusaModel), re-chosen every few steps for how often the heads guess right on this text (down to the
-        root alone; stats.tree_sizes shows each step's), else the adapter's stored tree; an explicit tree is kept
-        as given; `[]` turns speculation off (one token per step, same loop).
+        picks one. Eagle heads draft a DynamicTree (EAGLE-2) for one row, each step's size chosen from the draft's
+        probabilities and step costs measured at the first call on this machine (see dynamic_tree). Other heads, and
+        eagle heads for a batch, see default_choices: with the adapter's rank accuracies, the tree with the most
+        expected tokens per second for step costs measured at the first call on this machine, for this batch size (a
+        few seconds; then kept on this MedusaModel), re-chosen every few steps for how often the heads guess right on
+        this text (down to the root alone; stats.tree_sizes shows each step's), else the adapter's stored tree; an
+        explicit tree is kept as given; `[]` turns speculation off (one token per step, same loop).
         `lookup_tokens` > 0 also verifies a chain of up to that many candidates (its length adapts each step)
         copied from an earlier occurrence of the text's last n-gram in the prompt, the output or `documents`
         (lists of token ids), in the same pass. `timer`: a
@@ -224,7 +224,11 @@ class MedusaModel(nn.Module):
         spec = self.spec
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
         rank_accuracy = self._rank_accuracy()
-        if isinstance(tree, DynamicTree) or (tree is None and getattr(self.heads, "draft_layer", None) is not None):
+        # Eagle heads, one row: a dynamic tree. A batch shares one tree and drafts its whole beam for every row: on a
+        # 2-core CPU, for 4 MT-bench rows, it ran at 1.67x transformers where the static 2-node tree ran at 1.92x (the
+        # same run, scripts/bench_batch.py), so batches keep the static trees below.
+        eagle = getattr(self.heads, "draft_layer", None) is not None
+        if isinstance(tree, DynamicTree) or (tree is None and eagle and batch == 1):
             dynamic = self.dynamic_tree(batch) if tree is None else tree
             proposer = heads_proposer(self.base_model, self.heads, dynamic, self._packed_weights)
         elif tree is None and rank_accuracy:

@@ -124,8 +124,8 @@ def test_the_tree_is_what_a_per_row_beam_search_rates_best(nodes, top_k, beam):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decoding_on_dynamic_trees_is_lossless(arch):
     """A left-padded batch of rows of different lengths, each row's greedy text as transformers gives it alone: on
-    fixed-size dynamic trees, beside a lookup chain, and with tree=None (step costs measured, the size chosen each
-    step)."""
+    fixed-size dynamic trees, beside a lookup chain, and with tree=None (one row: step costs measured, the size
+    chosen each step)."""
     model = tiny_model(arch)
     mm = eagle_heads(model, num_heads=3)
     rows = [prompt(seed=6)[0, :10], prompt(seed=7)[0, :5]]
@@ -134,15 +134,20 @@ def test_decoding_on_dynamic_trees_is_lossless(arch):
     texts = [reference_generate(model, row[None], max_new_tokens=new, eos_token_id=None)[0] for row in rows]
     documents = [text[len(row) + 8:].tolist() for text, row in zip(texts, rows)]
     runs = {"dynamic 9": dict(tree=DynamicTree(9)), "dynamic 5, top-2 beam-2": dict(tree=DynamicTree(5, 2, 2)),
-            "with lookup": dict(tree=DynamicTree(9), lookup_tokens=4, documents=documents),
-            "tree=None": dict(tree=None)}
+            "with lookup": dict(tree=DynamicTree(9), lookup_tokens=4, documents=documents)}
     for name, options in runs.items():
         out = mm.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], **options)
         for b, row in enumerate(rows):
             assert torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]), (name, b)
         assert out.stats.tree_sizes and len(out.stats.tree_sizes) == out.stats.steps - 1, name
         assert out.stats.steps <= new, name  # some steps took more than one token
-    assert set(mm._dynamic_trees) == {(torch.device("cpu"), torch.float32, 2)}
+    # tree=None: one row drafts a dynamic tree, a batch keeps the static trees (see MedusaModel.generate).
+    out = mm.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[])
+    assert all(torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]) for b, row in enumerate(rows))
+    assert not mm._dynamic_trees
+    out = mm.generate(rows[0][None], max_new_tokens=new, eos_token_id=[])
+    assert torch.equal(out.sequences[0], texts[0]) and len(out.stats.tree_sizes) == out.stats.steps - 1
+    assert set(mm._dynamic_trees) == {(torch.device("cpu"), torch.float32, 1)}
 
 
 @pytest.mark.parametrize("sampling", SETTINGS[1:3], ids=str)
