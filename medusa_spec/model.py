@@ -225,8 +225,8 @@ class MedusaModel(nn.Module):
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
         rank_accuracy = self._rank_accuracy()
         # Eagle heads, one row: a dynamic tree. A batch shares one tree and drafts its whole beam for every row: on a
-        # 2-core CPU, for 4 MT-bench rows, it ran at 1.67x transformers where the static 2-node tree ran at 1.92x (the
-        # same run, scripts/bench_batch.py), so batches keep the static trees below.
+        # 2-core CPU, for 4 MT-bench rows, it ran at 1.72x transformers where the root alone ran at 1.97x, and the
+        # static trees below at 1.92x (scripts/bench_batch.py), so batches keep those.
         eagle = getattr(self.heads, "draft_layer", None) is not None
         if isinstance(tree, DynamicTree) or (tree is None and eagle and batch == 1):
             dynamic = self.dynamic_tree(batch) if tree is None else tree
