@@ -229,6 +229,10 @@ class MedusaModel(nn.Module):
         # static trees below at 1.92x (scripts/bench_batch.py), so batches keep those.
         eagle = getattr(self.heads, "draft_layer", None) is not None
         if isinstance(tree, DynamicTree) or (tree is None and eagle and batch == 1):
+            guesses = self.config.draft_vocab_size or spec.vocab_size
+            if tree is not None and tree.top_k > guesses:  # else topk fails inside torch at the first step
+                raise ValueError(f"DynamicTree top_k={tree.top_k} is more than the heads' {guesses} candidate tokens; "
+                                 f"use top_k <= {guesses}")
             dynamic = self.dynamic_tree(batch) if tree is None else tree
             proposer = heads_proposer(self.base_model, self.heads, dynamic, self._packed_weights)
         elif tree is None and rank_accuracy:

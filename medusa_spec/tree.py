@@ -190,7 +190,7 @@ class DynamicTree:
     above its parent, so they form a tree). How many: `nodes` (root included), or with `step_ms` the size n <= nodes
     with the most expected tokens per millisecond, step_ms[n - 1] being a step's cost with n nodes and the expected
     tokens the rows' own ones plus the chosen candidates' probabilities, scaled by how well the probabilities have
-    foretold the accepted lengths so far in the call (see propose.DynamicDraftLayerProposer).
+    foretold the tokens the trees' nodes matched so far in the call (see propose.DynamicDraftLayerProposer).
     """
 
     nodes: int

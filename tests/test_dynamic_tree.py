@@ -227,6 +227,10 @@ def test_a_dynamic_tree_needs_eagle_heads_and_sound_settings():
     mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
     with pytest.raises(ValueError, match=r"a DynamicTree needs eagle heads \(head_type='eagle'\)"):
         mm.generate(prompt(), max_new_tokens=4, tree=DynamicTree(4))
+    eagle = eagle_heads(model, num_heads=2, draft_vocab_size=40)
+    with pytest.raises(ValueError, match=r"DynamicTree top_k=41 is more than the heads' 40 candidate tokens; use "
+                                         r"top_k <= 40"):
+        eagle.generate(prompt(), max_new_tokens=4, tree=DynamicTree(4, top_k=41))
     with pytest.raises(ValueError, match="DynamicTree: beam must be an integer >= 1, got 0"):
         DynamicTree(4, beam=0)
     with pytest.raises(ValueError, match=r"step_ms holds 2 costs, one per tree size 1 .. nodes=4 needed"):
