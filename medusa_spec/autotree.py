@@ -84,7 +84,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         return verified
 
     if dynamic:
-        trees = {n: DynamicTree(n) for n in sizes}
+        top_k = min(DynamicTree(1).top_k, mm.config.draft_vocab_size or spec.vocab_size)
+        trees = {n: DynamicTree(n, top_k) for n in sizes}
     else:
         accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
         trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
@@ -112,7 +113,8 @@ def dynamic_tree(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5
     """generate(tree=None)'s tree for eagle heads: a DynamicTree whose step costs, for every size from 1 node to as
     many as its beam drafts (at most max(sizes)), are those measured by measure_step_costs(dynamic=True) at `sizes`
     and linearly interpolated between them; each step then takes the size with the most expected tokens per ms."""
-    shape = DynamicTree(1)
+    shape = DynamicTree(1)  # the default top_k and beam, within the heads' candidate tokens (a tiny draft vocabulary)
+    shape = dataclasses.replace(shape, top_k=min(shape.top_k, mm.config.draft_vocab_size or mm.spec.vocab_size))
     drafted = shape.top_k + (mm.config.num_heads - 1) * shape.beam * shape.top_k  # candidates a step ranks
     most = min(max(sizes), drafted + 1)
     measured = sorted({1, most} | {n for n in sizes if n < most})

@@ -153,27 +153,29 @@ class PromptLookup:
 
 
 def tree_with_chain(tree: Tree, length: int) -> Tree:
-    """`tree` (N nodes) plus a chain of `length` nodes hanging off its root, appended as nodes N .. N+length-1.
+    """`tree` (N nodes) plus a chain of `length` nodes hanging off its root, appended as nodes N .. N+length-1, on
+    the tree's device.
 
     The merged tree is what verify and accept read; the heads draft their N nodes on their own tree.
     """
-    tree = tree.to("cpu")
+    device = tree.depth.device
     n, total = tree.num_nodes, tree.num_nodes + length
     max_depth = max(tree.max_depth, length)
-    chain = torch.arange(n, total)
-    depth = torch.cat([tree.depth, torch.arange(1, length + 1)])
-    parent = torch.cat([tree.parent, torch.cat([torch.zeros(1, dtype=torch.long), chain[:-1]])])
-    tree_mask = torch.zeros(total, total, dtype=torch.bool)
+    chain = torch.arange(n, total, device=device)
+    depth = torch.cat([tree.depth, torch.arange(1, length + 1, device=device)])
+    parent = torch.cat([tree.parent, torch.cat([torch.zeros(1, dtype=torch.long, device=device), chain[:-1]])])
+    tree_mask = torch.zeros(total, total, dtype=torch.bool, device=device)
     tree_mask[:n, :n] = tree.tree_mask
     tree_mask[n:, 0] = True
-    tree_mask[n:, n:] = torch.ones(length, length, dtype=torch.bool).tril()
+    tree_mask[n:, n:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     # Past its depth a node's path repeats the node itself (as build_tree lays it out).
-    node_paths = torch.empty(total, max_depth + 1, dtype=torch.long)
+    steps = torch.arange(max_depth, device=device)
+    node_paths = torch.empty(total, max_depth + 1, dtype=torch.long, device=device)
     node_paths[:n, : tree.max_depth + 1] = tree.node_paths
-    node_paths[:n, tree.max_depth + 1:] = torch.arange(n)[:, None]
+    node_paths[:n, tree.max_depth + 1:] = torch.arange(n, device=device)[:, None]
     node_paths[n:, 0] = 0
-    node_paths[n:, 1:] = torch.where(torch.arange(max_depth)[None, :] <= torch.arange(length)[:, None],
-                                     n + torch.arange(max_depth)[None, :], chain[:, None])
+    node_paths[n:, 1:] = torch.where(steps[None, :] <= torch.arange(length, device=device)[:, None],
+                                     n + steps[None, :], chain[:, None])
     return Tree(depth, parent, tree_mask, node_paths)
 
 
@@ -204,10 +206,10 @@ def next_chain_length(length: int, taken_whole: bool, chain_length: int) -> int:
     return min(length + 2, chain_length) if taken_whole else max(length - 1, 1)
 
 
-def shape_of(tree: Tree) -> tuple:
-    """A key equal for trees of the same shape: a MedusaTree's rank paths (on the host), else every node's parent (nodes
-    are ordered by depth, so the parents give the tree)."""
-    return ("paths", *tree.choices) if isinstance(tree, MedusaTree) else ("parents", *tree.parent.tolist())
+def shape_of(tree: Tree) -> tuple | None:
+    """A key for the merged trees WithLookup keeps: a MedusaTree's rank paths, () for the root alone (any tree of one
+    node), None for any other tree (a dynamic tree: a new shape nearly every step, merged anew, not kept)."""
+    return tree.choices if isinstance(tree, MedusaTree) else () if tree.num_nodes == 1 else None
 
 
 class WithLookup(Proposer):
@@ -216,13 +218,13 @@ class WithLookup(Proposer):
     adapts step by step (next_chain_length), and beside a tree other than the root alone a chain needs a match of
     MIN_NGRAM_WITH_TREE tokens; when every row has a chain, the step verifies the root and the chain alone, at
     least as many nodes as the tree had. The proposer proposes one tree per size (one tree, or AdaptiveTree's
-    ladder, or a dynamic tree's shapes): merged trees are built once per tree shape and chain length."""
+    ladder): merged trees are built once per tree and chain length (a dynamic tree's each step: see shape_of)."""
 
     def __init__(self, proposer: Proposer, documents: list[list[int]], chain_length: int):
         self.proposer, self.documents, self.chain_length = proposer, documents, chain_length
         self.modules, self.feature_layers = proposer.modules, proposer.feature_layers
         self.max_depth = max(proposer.max_depth, chain_length)
-        self.merged_trees: dict[tuple[tuple, int], Tree] = {}  # (tree shape, chain length) -> the tree with the chain
+        self.merged_trees: dict[tuple[tuple, int], Tree] = {}  # (rank paths, chain length) -> the tree with the chain
 
     def start(self, prompt: Prompt) -> None:
         self.proposer.start(prompt)
@@ -255,10 +257,13 @@ class WithLookup(Proposer):
             num_tree_nodes = self.chain_start = 1
             candidates = Candidates(root[:, None], self.root_alone)
         self.lengths.append(length)
-        key = (shape_of(candidates.tree), length)
-        if key not in self.merged_trees:
-            self.merged_trees[key] = tree_with_chain(candidates.tree, length).to(root.device)
-        tree = self.merged_trees[key]
+        shape = shape_of(candidates.tree)
+        if shape is None:
+            tree = tree_with_chain(candidates.tree, length)
+        else:
+            if (shape, length) not in self.merged_trees:
+                self.merged_trees[shape, length] = tree_with_chain(candidates.tree.to(root.device), length)
+            tree = self.merged_trees[shape, length]
         node_tokens, accept_tokens = add_chain(candidates.node_tokens, chain_tokens, has_match, num_tree_nodes,
                                                tree.depth)
         return Candidates(node_tokens, tree, accept_tokens=accept_tokens)

@@ -285,7 +285,8 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
     def start(self, prompt: Prompt) -> None:
         super().start(prompt)
         rows = prompt.root.shape[0]
-        self.going = torch.ones(rows, device=prompt.root.device)  # float: it weighs the rows' probabilities
+        # float: it weighs the rows' probabilities (a row done at prefill, its first token eos, weighs one step)
+        self.going = torch.ones(rows, device=prompt.root.device)
         self.rows_going = rows
         self.matched = torch.zeros((), device=prompt.root.device)  # a device tensor: read at the next step's sync
         self.foretold = 0.0
@@ -378,7 +379,9 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             paths = self.tree.node_paths[:, 1:]  # [N, depth]
             emitted = step.new_tokens[:, : paths.shape[1]]
             emitted = torch.nn.functional.pad(emitted, (0, paths.shape[1] - emitted.shape[1]), value=-1)
-            valid = torch.arange(emitted.shape[1], device=emitted.device) <= step.accept_length[:, None]
+            # What each row emitted: its accepted tokens and the bonus, cut at eos or the budget (the host's counts).
+            counts = torch.tensor([len(tokens) for tokens in step.host.emitted], device=emitted.device)
+            valid = torch.arange(emitted.shape[1], device=emitted.device) < counts[:, None]
             emitted = emitted.masked_fill(~valid, -1)
             below = torch.arange(paths.shape[1], device=paths.device) < self.tree.depth[:, None]  # [N, depth]
             agree = (self.node_tokens[:, paths] == emitted[:, None, :]) | ~below  # [B, N, depth]

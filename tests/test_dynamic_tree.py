@@ -140,7 +140,7 @@ def test_decoding_on_dynamic_trees_is_lossless(arch):
         for b, row in enumerate(rows):
             assert torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]), (name, b)
         assert out.stats.tree_sizes and len(out.stats.tree_sizes) == out.stats.steps - 1, name
-        assert out.stats.steps <= new, name  # some steps took more than one token
+        assert sum(out.stats.accepted_at_depth) > 0, name  # some row took a node: the trees' tokens were read
     # tree=None: one row drafts a dynamic tree, a batch keeps the static trees (see MedusaModel.generate).
     out = mm.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[])
     assert all(torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]) for b, row in enumerate(rows))
@@ -178,7 +178,8 @@ def test_the_size_is_the_one_with_the_most_expected_tokens_per_ms():
 
 class Recording(DynamicDraftLayerProposer):
     """Keeps, per step, the increase of the matched count, and what it should be: summed over the rows generating,
-    the depth of the deepest node whose path's tokens are the row's first emitted tokens (accepted ones, the bonus)."""
+    the depth of the deepest node whose path's tokens are the row's first emitted tokens (accepted ones and the
+    bonus, cut at the budget)."""
 
     def start(self, prompt):
         super().start(prompt)
@@ -189,7 +190,7 @@ class Recording(DynamicDraftLayerProposer):
         if self.tree.num_nodes > 1:
             parents, tokens = self.tree.parent.tolist(), self.node_tokens.tolist()
             for b, (length, active) in enumerate(zip(step.host.accept_length, step.host.active)):
-                emitted, reached = step.new_tokens[b, : length + 1].tolist(), 0
+                emitted, reached = step.host.emitted[b], 0
                 for i in range(1, len(parents)):
                     path, node = [], i
                     while node:

@@ -253,7 +253,7 @@ def test_a_chain_hangs_beside_the_tree_the_proposer_gave_that_step():
     for tree in shapes:
         merged = proposer.propose(root).tree
         assert merged.num_nodes == 6 and torch.equal(merged.tree_mask[:3, :3], tree.tree_mask)
-    assert len(proposer.merged_trees) == 3  # the last tree's shape came before: its merged tree is reused
+    assert len(proposer.merged_trees) == 2  # trees of rank paths, each merged once; the plain tree merged anew
 
 
 def test_chain_length_adapts_as_assisted_decoding_does():
