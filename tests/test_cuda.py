@@ -1,12 +1,13 @@
 """The CUDA path, on tiny models (marked `cuda`: skipped without a CUDA device; scripts/gpu_check.py runs them):
 greedy output equals transformers' on the GPU for every architecture, with heads that miss and heads that propose
-long runs, in batches, with the draft model and the lookup chain; one verify pass gives each node its sequential
+long runs, in batches, with the draft model and the lookup chain, eagle heads on dynamic trees; one verify pass gives each node its sequential
 logits in fp32 and bf16; no column-wise copy is made there; seeded sampling repeats."""
 
 import pytest
 import torch
 
 from medusa_spec import (
+    DynamicTree,
     MedusaConfig,
     MedusaModel,
     columnwise,
@@ -19,6 +20,7 @@ from medusa_spec.kv_cache import new_cache
 from medusa_spec.slots import prefill
 from medusa_spec.tree import build_tree
 from medusa_spec.verify import forward_block
+from test_eagle import eagle_heads
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
@@ -73,6 +75,23 @@ def test_draft_model_and_lookup_chain_equal_transformers_on_cuda():
     looked = generate_with_lookup(medusa(model, share_lm_head=False), repeated, max_new_tokens=30, eos_token_id=[],
                                   lookup_tokens=5, tree=TREE)
     assert torch.equal(looked.sequences, expected)
+
+
+def test_eagle_heads_on_dynamic_trees_equal_transformers_on_cuda():
+    """tree=None (one row: a dynamic tree, its step costs timed on the GPU), a fixed DynamicTree for a left-padded
+    batch, and one beside the lookup chain: every tensor the dynamic drafting builds must be on the GPU."""
+    model = on_cuda("llama")
+    mm = eagle_heads(model, num_heads=3)
+    rows = [prompt(seed=20)[0, :10], prompt(seed=21)[0, :5]]
+    ids, mask = left_padded(rows)
+    per_row = [reference_generate(model, r[None].to(CUDA), max_new_tokens=20, eos_token_id=None)[0, len(r):]
+               for r in rows]
+    one = mm.generate(rows[0][None].to(CUDA), max_new_tokens=20, eos_token_id=[])
+    assert torch.equal(one.sequences[0, len(rows[0]):], per_row[0]) and one.stats.tree_sizes
+    for options in (dict(tree=DynamicTree(6)), dict(tree=DynamicTree(6), lookup_tokens=4)):
+        out = mm.generate(ids.to(CUDA), attention_mask=mask.to(CUDA), max_new_tokens=20, eos_token_id=[], **options)
+        for b in range(len(rows)):
+            assert torch.equal(out.sequences[b, ids.shape[1]:], per_row[b]), (options, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
