@@ -1,7 +1,7 @@
 """The CUDA path, on tiny models (marked `cuda`: skipped without a CUDA device; scripts/gpu_check.py runs them):
 greedy output equals transformers' on the GPU for every architecture, with heads that miss and heads that propose
-long runs, in batches, with the draft model and the lookup chain, eagle heads on dynamic trees; one verify pass gives each node its sequential
-logits in fp32 and bf16; no column-wise copy is made there; seeded sampling repeats."""
+long runs, in batches, with the draft model and the lookup chain, eagle heads on dynamic trees; one verify pass
+gives each node its sequential logits in fp32 and bf16; no column-wise copy is made there; seeded sampling repeats."""
 
 import pytest
 import torch
