@@ -84,8 +84,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         return verified
 
     if dynamic:
-        top_k = min(DynamicTree(1).top_k, mm.config.draft_vocab_size or spec.vocab_size)
-        trees = {n: DynamicTree(n, top_k) for n in sizes}
+        trees = {n: dataclasses.replace(default_dynamic_tree(mm), nodes=n) for n in sizes}
     else:
         accuracy = rank_accuracy or [[0.5] * max(sizes)] * mm.config.num_heads
         trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
@@ -113,8 +112,7 @@ def dynamic_tree(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5
     """generate(tree=None)'s tree for eagle heads: a DynamicTree whose step costs, for every size from 1 node to as
     many as its beam drafts (at most max(sizes)), are those measured by measure_step_costs(dynamic=True) at `sizes`
     and linearly interpolated between them; each step then takes the size with the most expected tokens per ms."""
-    shape = DynamicTree(1)  # the default top_k and beam, within the heads' candidate tokens (a tiny draft vocabulary)
-    shape = dataclasses.replace(shape, top_k=min(shape.top_k, mm.config.draft_vocab_size or mm.spec.vocab_size))
+    shape = default_dynamic_tree(mm)
     drafted = shape.top_k + (mm.config.num_heads - 1) * shape.beam * shape.top_k  # candidates a step ranks
     most = min(max(sizes), drafted + 1)
     measured = sorted({1, most} | {n for n in sizes if n < most})
@@ -123,6 +121,13 @@ def dynamic_tree(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5
     step_ms = [1000 * min(latency[m] + draft_seconds[m] for m in measured if m >= n) for n in measured]
     return dataclasses.replace(shape, nodes=most, step_ms=tuple(interpolate(measured, step_ms, n)
                                                                  for n in range(1, most + 1)))
+
+
+def default_dynamic_tree(mm) -> DynamicTree:
+    """A 1-node DynamicTree of the default top_k and beam, top_k within the heads' candidate tokens (a tiny draft
+    vocabulary has fewer)."""
+    shape = DynamicTree(1)
+    return dataclasses.replace(shape, top_k=min(shape.top_k, mm.config.draft_vocab_size or mm.spec.vocab_size))
 
 
 def interpolate(xs: list[int], ys: list[float], x: int) -> float:

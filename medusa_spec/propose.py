@@ -351,9 +351,8 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
         tree_mask = (node_paths[:, :, None] == torch.arange(n, device=device)).any(1)
         parent = node_paths.gather(1, (tree_depth - 1).clamp(min=0)[:, None])[:, 0]
         self.tree = Tree(tree_depth, parent, tree_mask, node_paths)
-        node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1)[:, chosen]], dim=1)
-        self.node_tokens = node_tokens
-        return Candidates(node_tokens, self.tree)
+        self.node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1)[:, chosen]], dim=1)
+        return Candidates(self.node_tokens, self.tree)
 
     def size(self, ordered: list[float], matched: float) -> int:
         """The step's tree size, root included, for the candidates' probabilities `ordered` (best first, summed over
@@ -377,12 +376,11 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
         # own) run along this step's tree, whichever candidates the pass verified (a lookup chain's, say).
         if self.tree.num_nodes > 1:
             paths = self.tree.node_paths[:, 1:]  # [N, depth]
-            emitted = step.new_tokens[:, : paths.shape[1]]
-            emitted = torch.nn.functional.pad(emitted, (0, paths.shape[1] - emitted.shape[1]), value=-1)
-            # What each row emitted: its accepted tokens and the bonus, cut at eos or the budget (the host's counts).
-            counts = torch.tensor([len(tokens) for tokens in step.host.emitted], device=emitted.device)
-            valid = torch.arange(emitted.shape[1], device=emitted.device) < counts[:, None]
-            emitted = emitted.masked_fill(~valid, -1)
+            # What each row emitted (its accepted tokens and the bonus, cut at eos or the budget: the host's lists),
+            # padded with -1 to the tree's depth.
+            width = paths.shape[1]
+            emitted = torch.tensor([(tokens + [-1] * width)[:width] for tokens in step.host.emitted],
+                                   device=paths.device)
             below = torch.arange(paths.shape[1], device=paths.device) < self.tree.depth[:, None]  # [N, depth]
             agree = (self.node_tokens[:, paths] == emitted[:, None, :]) | ~below  # [B, N, depth]
             reached = (agree.all(-1) * self.tree.depth).amax(-1)  # [B]: the deepest node on the emitted path
