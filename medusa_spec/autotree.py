@@ -123,11 +123,16 @@ def dynamic_tree(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5
                                                                  for n in range(1, most + 1)))
 
 
+def candidate_tokens(mm) -> int:
+    """How many tokens the heads can guess: their draft vocabulary's, else the base's whole vocabulary."""
+    return mm.config.draft_vocab_size or mm.spec.vocab_size
+
+
 def default_dynamic_tree(mm) -> DynamicTree:
     """A 1-node DynamicTree of the default top_k and beam, top_k within the heads' candidate tokens (a tiny draft
     vocabulary has fewer)."""
     shape = DynamicTree(1)
-    return dataclasses.replace(shape, top_k=min(shape.top_k, mm.config.draft_vocab_size or mm.spec.vocab_size))
+    return dataclasses.replace(shape, top_k=min(shape.top_k, candidate_tokens(mm)))
 
 
 def interpolate(xs: list[int], ys: list[float], x: int) -> float:

@@ -229,7 +229,7 @@ class MedusaModel(nn.Module):
         # static trees below at 1.92x (scripts/bench_batch.py), so batches keep those.
         eagle = getattr(self.heads, "draft_layer", None) is not None
         if isinstance(tree, DynamicTree) or (tree is None and eagle and batch == 1):
-            guesses = self.config.draft_vocab_size or spec.vocab_size
+            guesses = autotree.candidate_tokens(self)
             if tree is not None and tree.top_k > guesses:  # else topk fails inside torch at the first step
                 raise ValueError(f"DynamicTree top_k={tree.top_k} is more than the heads' {guesses} candidate tokens; "
                                  f"use top_k <= {guesses}")

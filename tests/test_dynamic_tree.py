@@ -189,7 +189,7 @@ class Recording(DynamicDraftLayerProposer):
         expected = 0
         if self.tree.num_nodes > 1:
             parents, tokens = self.tree.parent.tolist(), self.node_tokens.tolist()
-            for b, (length, active) in enumerate(zip(step.host.accept_length, step.host.active)):
+            for b, active in enumerate(step.host.active):
                 emitted, reached = step.host.emitted[b], 0
                 for i in range(1, len(parents)):
                     path, node = [], i
