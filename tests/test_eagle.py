@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from medusa_spec import MedusaConfig, MedusaModel, build_tree
@@ -279,3 +280,26 @@ def test_the_draft_layers_mlp_width_is_a_training_setting(pair_data, tmp_path): 
     assert config["draft_layer"]["intermediate_size"] == 12
     with pytest.raises(ValueError, match="--draft-layer-mlp sets the width of eagle heads"):
         small_run(base, data, tmp_path, head_type="dependent", draft_layer_mlp=12)
+
+
+def test_eagle_heads_grow_a_head_that_drafts_one_level_deeper(pair_data, tmp_path):  # noqa: F811
+    """--init-heads with a larger --num-heads: the draft layer unrolls one more level, read by a copy of the last
+    head's block; the saved heads' weights and guesses are kept, and head flags left out take theirs (the
+    draft layer's width given alone is theirs, with no --head-type)."""
+    base, data, _ = pair_data
+    settings = dict(max_length=64, eval_examples=2, lr=0.0, max_steps=1)
+    train(small_run(base, data, tmp_path / "first", head_type="eagle", num_heads=2, draft_layer_mlp=12,
+                    **{**settings, "lr": 1e-2, "max_steps": 4}))
+    first = str(tmp_path / "first")
+    same = train(small_run(base, data, tmp_path / "same", init_heads=first, num_heads=None, **settings))
+    grown = train(small_run(base, data, tmp_path / "grown", init_heads=first, num_heads=3, draft_layer_mlp=12,
+                            **settings))
+    assert grown["eval"]["rank_accuracy"][:2] == same["eval"]["rank_accuracy"]
+    assert len(grown["eval"]["rank_accuracy"]) == 3
+    saved = load_file(tmp_path / "first" / "medusa_heads.safetensors")
+    kept = load_file(tmp_path / "grown" / "medusa_heads.safetensors")
+    assert all(torch.equal(saved[k], kept[k]) for k in saved)
+    assert set(kept) - set(saved) == {"blocks.2.layers.0.weight", "blocks.2.layers.0.bias"}
+    assert all(torch.equal(kept[f"blocks.2.layers.0.{w}"], saved[f"blocks.1.layers.0.{w}"]) for w in ("weight", "bias"))
+    config = json.loads((tmp_path / "grown" / "medusa_config.json").read_text())
+    assert (config["num_heads"], config["head_type"], config["draft_layer"]["intermediate_size"]) == (3, "eagle", 12)

@@ -822,6 +822,28 @@ def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_voca
     assert load_file(tmp_path / "deepening" / "medusa_heads.safetensors")["blocks.0.layers.1.weight"].any()
     with pytest.raises(ValueError, match="--num-layers 3, but --num-layers 2 was given \\(fewer residual blocks"):
         train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(tmp_path / "deeper"), num_layers=2))
+    # A head flag given equal to its default is still a flag given: refused where the heads have another value.
+    with pytest.raises(ValueError, match="--num-layers 3, but --num-layers 1 was given"):
+        train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(tmp_path / "deeper"), num_layers=1))
+    with pytest.raises(ValueError, match="--head-type dependent, but --head-type medusa was given"):
+        train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(first), head_type="medusa"))
+
+    # A larger --num-heads: heads added after theirs, each a copy of their last one's block (a dependent head's path
+    # input at zero, as a new head's starts); the old heads are untouched and guess as they did. Fewer are refused.
+    more_heads = train(small_run(base_dir, fewer, tmp_path / "more_heads", init_heads=str(first), lr=0.0,
+                                 max_steps=1, eval_examples=4, num_heads=5))
+    assert more_heads["eval"]["rank_accuracy"][:3] == plain["eval"]["rank_accuracy"]
+    assert len(more_heads["eval"]["rank_accuracy"]) == 5
+    kept = load_file(tmp_path / "more_heads" / "medusa_heads.safetensors")
+    assert all(torch.equal(saved[k], kept[k]) for k in saved)
+    for head in (3, 4):
+        assert all(torch.equal(kept[f"blocks.{head}.layers.0.{w}"], saved[f"blocks.2.layers.0.{w}"])
+                   for w in ("weight", "bias"))
+        width = kept["inputs.0.weight"].shape[1]  # head k reads its k + 1 path embeddings
+        assert not kept[f"inputs.{head}.weight"].any() and kept[f"inputs.{head}.weight"].shape[1] == (head + 1) * width
+    assert MedusaConfig.from_json_file(tmp_path / "more_heads" / "medusa_config.json").num_heads == 5
+    with pytest.raises(ValueError, match="--num-heads 5, but --num-heads 3 was given \\(fewer heads"):
+        train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(tmp_path / "more_heads")))
     (first / "lora").mkdir()
     with pytest.raises(ValueError, match="Medusa-2 LoRA adapter"):
         train(small_run(base_dir, conversations, tmp_path / "lora", init_heads=str(first)))

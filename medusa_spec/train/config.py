@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import HEAD_TYPES
-from .options import option, shared
+from .options import head_defaults, head_option, option, shared
 
 
 @dataclass
@@ -19,20 +19,24 @@ class TrainConfig:
     output: str = shared(None, required=True, aliases=("--output-dir",))
     mode: str = option("medusa1", "medusa1: frozen base, heads only; medusa2: LoRA on the base too",
                        choices=("medusa1", "medusa2"))
-    num_heads: int = option(4, "number of heads (head k predicts the token k + 2 ahead)")
-    num_layers: int = option(1, "residual blocks per head (with --init-heads: more than theirs adds blocks after "
-                             "theirs, starting at zero)")
-    share_lm_head: bool = option(True, "project through the base LM head (no per-head vocabulary matrix)")
-    head_type: str = option("medusa", "medusa: heads read the hidden state; dependent (Hydra-style): also the "
-                            "embeddings of the tokens on the path before their guess; eagle: a draft layer (one "
-                            "decoder layer with its own cache) drafts level by level on its own outputs, trained "
-                            "unrolled as it drafts", choices=HEAD_TYPES)
-    context_heads: int = option(0, "attention heads of a context layer the heads read through (attention over the "
-                                "text so far, with each position's next token; e.g. hidden_size / 64); 0: none")
-    feature_layers: list[int] = option([], "decoder layers (1 = the first; 0 = the embeddings) whose hidden states the "
-                                       "heads read beside the final one, through a learned projection (EAGLE-3's "
-                                       "feature fusion; e.g. a low and a middle layer: 8 16 of 30); with --init-heads "
-                                       "whose heads fuse none, they take it on, starting as they were; default: none")
+    num_heads: int | None = head_option(4, "number of heads (head k predicts the token k + 2 ahead; with "
+                                        "--init-heads: more than theirs adds heads, each starting as their last)")
+    num_layers: int | None = head_option(1, "residual blocks per head (with --init-heads: more than theirs adds "
+                                         "blocks after theirs, starting at zero)")
+    share_lm_head: bool | None = head_option(True, "project through the base LM head (no per-head vocabulary "
+                                             "matrix)")
+    head_type: str | None = head_option("medusa", "medusa: heads read the hidden state; dependent (Hydra-style): "
+                                        "also the embeddings of the tokens on the path before their guess; eagle: a "
+                                        "draft layer (one decoder layer with its own cache) drafts level by level on "
+                                        "its own outputs, trained unrolled as it drafts", choices=HEAD_TYPES)
+    context_heads: int | None = head_option(0, "attention heads of a context layer the heads read through "
+                                            "(attention over the text so far, with each position's next token; "
+                                            "e.g. hidden_size / 64); 0: none")
+    feature_layers: list[int] | None = head_option([], "decoder layers (1 = the first; 0 = the embeddings) whose "
+                                                   "hidden states the heads read beside the final one, through a "
+                                                   "learned projection (EAGLE-3's feature fusion; e.g. a low and a "
+                                                   "middle layer: 8 16 of 30); with --init-heads whose heads fuse "
+                                                   "none, they take it on, starting as they were")
     draft_layer_mlp: int | None = option(None, "eagle heads: the draft layer's MLP width (a narrower one drafts "
                                          "faster on CPUs); default: the base model's")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
@@ -100,11 +104,15 @@ class TrainConfig:
         return self.output
 
     def __post_init__(self):
+        if self.init_heads is None:  # new heads: the head flags left out take their defaults
+            for name, default in head_defaults(type(self)).items():
+                if getattr(self, name) is None:
+                    setattr(self, name, list(default) if isinstance(default, list) else default)
         if self.mode == "medusa2" and self.cache_hidden:
             raise ValueError("--cache-hidden needs a frozen base (medusa1); medusa2 changes the base's hidden states")
         for name in ("num_heads", "max_length", "batch_size", "grad_accum", "eval_ranks", "keep_checkpoints",
                      "log_every"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:  # None: the --init-heads heads'
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         # nan compares false with everything, so each range is written to hold for the good values only.
         ranges = {"num_layers": (0, None), "warmup_steps": (0, None), "eval_every": (0, None),
@@ -113,7 +121,7 @@ class TrainConfig:
                   "min_lr_ratio": (0, 1), "lora_dropout": (0, 0.999)}
         for name, (low, high) in ranges.items():
             value = getattr(self, name)
-            if not (value >= low and (high is None or value <= high)):
+            if value is not None and not (value >= low and (high is None or value <= high)):
                 within = f">= {low}" if high is None else f"from {low} to {high}"
                 raise ValueError(f"--{name.replace('_', '-')} must be {within}, got {value}")
         for name in ("lr", "base_lr"):  # 0 is allowed: heads carried over unchanged (--init-heads)
@@ -136,6 +144,6 @@ class TrainConfig:
                 and not self.context_heads and self.init_heads is None):
             raise ValueError("--num-layers 0 leaves heads that share the LM head nothing to train: give them a block "
                              "(--num-layers 1) or their own projection (--no-share-lm-head)")
-        if self.draft_layer_mlp is not None and (self.head_type != "eagle" or self.draft_layer_mlp < 1):
+        if self.draft_layer_mlp is not None and (self.head_type not in ("eagle", None) or self.draft_layer_mlp < 1):
             raise ValueError(f"--draft-layer-mlp sets the width of eagle heads' draft layer: use it with --head-type "
                              f"eagle and a width >= 1, got {self.draft_layer_mlp} with --head-type {self.head_type}")

@@ -22,6 +22,17 @@ def option(default, help: str, **extra):
     return _field(default, {"help": help, **extra})
 
 
+def head_option(default, help: str, **extra):
+    """A field of the heads' architecture: `default` for new heads. It stays None until then, so that with
+    --init-heads a flag left out (the saved heads' value) is told from one given equal to the default."""
+    return _field(None, {"help": help, "head_default": default, **extra})
+
+
+def head_defaults(cls) -> dict:
+    """{field name: default for new heads} of `cls`'s head_option fields."""
+    return {f.name: f.metadata["head_default"] for f in dataclasses.fields(cls) if "head_default" in f.metadata}
+
+
 def shared(default, **extra):
     """A config field whose flag is medusa_spec.flags.FLAGS[its name], as other subcommands define it; extra:
     required=True, aliases=("--old-name",) (an old spelling of the flag, and of its recipe key, still accepted)."""
@@ -52,6 +63,8 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
         kind = hints[f.name]
         if typing.get_origin(kind) is not list:  # X | None -> X
             kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        if "head_default" in f.metadata:
+            default = f"{f.metadata['head_default']}; with --init-heads, the saved heads'"
         help_text = f.metadata["help"] + ("" if f.metadata.get("required") else f" (default: {default})")
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
