@@ -761,7 +761,7 @@ def test_resume_refuses_data_that_changed_since_the_checkpoint(base_dir, convers
 
 
 def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_vocabulary(base_dir, conversations,
-                                                                                      tmp_path):
+                                                                                      tmp_path, capsys):
     first = tmp_path / "first"
     train(small_run(base_dir, conversations, first, head_type="dependent", draft_vocab=16, max_steps=10, log_every=1))
     calibrate_tree(first, 4)  # the tree stored for these accuracies
@@ -775,7 +775,7 @@ def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_voca
     own_top = frequent_tokens(answer_token_counts(rows, base_model.config.vocab_size), 16)
     assert not torch.equal(own_top, saved["token_map"])
 
-    # lr 0: the heads come back as saved (the architecture flags left at their defaults take the adapter's).
+    # lr 0: the heads come back as saved (the architecture flags left out take the adapter's; num_heads=3 is theirs).
     still = tmp_path / "still"
     train(small_run(base_dir, fewer, still, init_heads=str(first), lr=0.0, max_steps=2, eval_examples=4))
     kept = load_file(still / "medusa_heads.safetensors")
@@ -827,11 +827,14 @@ def test_init_heads_trains_saved_heads_on_with_their_architecture_and_draft_voca
         train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(tmp_path / "deeper"), num_layers=1))
     with pytest.raises(ValueError, match="--head-type dependent, but --head-type medusa was given"):
         train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(first), head_type="medusa"))
+    with pytest.raises(ValueError, match="have --share-lm-head, but --no-share-lm-head was given"):
+        train(small_run(base_dir, conversations, tmp_path / "other", init_heads=str(first), share_lm_head=False))
 
     # A larger --num-heads: heads added after theirs, each a copy of their last one's block (a dependent head's path
     # input at zero, as a new head's starts); the old heads are untouched and guess as they did. Fewer are refused.
     more_heads = train(small_run(base_dir, fewer, tmp_path / "more_heads", init_heads=str(first), lr=0.0,
                                  max_steps=1, eval_examples=4, num_heads=5))
+    assert "growing the heads to --num-heads 5 (theirs: 3)" in capsys.readouterr().out
     assert more_heads["eval"]["rank_accuracy"][:3] == plain["eval"]["rank_accuracy"]
     assert len(more_heads["eval"]["rank_accuracy"]) == 5
     kept = load_file(tmp_path / "more_heads" / "medusa_heads.safetensors")

@@ -92,10 +92,6 @@ def train(cfg: TrainConfig) -> dict:
             raise ValueError(f"--data {path} holds another model's answers ({'; '.join(differences)}): train heads "
                              f"for the model that wrote them (--model), or distill this one's")
     spec = inspect_base_model(base_model)
-    guesses = cfg.draft_vocab or spec.vocab_size  # what a head ranks; checked now, not after the training
-    if cfg.eval_ranks > guesses:
-        raise ValueError(f"--eval-ranks {cfg.eval_ranks} asks for more ranks than the heads have guesses ({guesses}: "
-                         f"{'--draft-vocab' if cfg.draft_vocab else 'the vocabulary'}); use at most {guesses}")
     train_rows, eval_rows = build_rows(tokenizer, conversations, cfg, replayed)
     # What the initial heads learned from, to list beside this run's (read now: a bad record fails before training,
     # not after).
@@ -111,7 +107,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # 2. Heads (+ LoRA), optimizer with one learning rate per group, schedule.
     if cfg.init_heads is not None:
-        medusa, cfg = continued_heads(base_model, cfg)
+        medusa, cfg = continued_heads(base_model, cfg, accelerator.print)
     else:
         draft_layer = None  # eagle heads: the base's shape (MedusaModel.from_base), unless the MLP width is set
         if cfg.draft_layer_mlp is not None:
@@ -121,6 +117,12 @@ def train(cfg: TrainConfig) -> dict:
             num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
             head_type=cfg.head_type, draft_vocab_size=cfg.draft_vocab, context_heads=cfg.context_heads,
             feature_layers=cfg.feature_layers, draft_layer=draft_layer))
+    # What a head ranks (with --init-heads, known once their draft vocabulary is read); checked now, not after
+    # the training.
+    guesses = cfg.draft_vocab or spec.vocab_size
+    if cfg.eval_ranks > guesses:
+        raise ValueError(f"--eval-ranks {cfg.eval_ranks} asks for more ranks than the heads have guesses ({guesses}: "
+                         f"{'--draft-vocab' if cfg.draft_vocab else 'the vocabulary'}); use at most {guesses}")
     heads = medusa.heads.float()
     draft_targets, vocab_summary = None, {}
     if cfg.draft_vocab is not None:
@@ -262,11 +264,11 @@ def train(cfg: TrainConfig) -> dict:
     return {**summary, "eval": metrics}
 
 
-def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainConfig]:
+def continued_heads(base_model, cfg: TrainConfig, say=print) -> tuple[MedusaModel, TrainConfig]:
     """The heads saved in cfg.init_heads on `base_model`, and cfg with their architecture (a head flag given with
     another value than theirs is refused, but for three that grow them: --feature-layers on heads that fuse none, a
     larger --num-layers, a larger --num-heads; they take it on). Their tree is dropped: it was chosen for their old
-    accuracies."""
+    accuracies. A recipe's head settings count as given (`"num_heads": null` there: theirs); `say` tells what grew."""
     path = Path(cfg.init_heads)
     if (path / LORA_DIR).exists():
         raise ValueError(f"--init-heads {path} holds a Medusa-2 LoRA adapter ({LORA_DIR}/); training goes on from "
@@ -294,9 +296,12 @@ def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainCon
             flag = "--" + name.replace("_", "-")
             more = {"num_layers": " (fewer residual blocks than theirs: give more, or as many)",
                     "num_heads": " (fewer heads than theirs: give more, or as many)"}.get(name, "")
-            raise ValueError(f"--init-heads {path}: its heads have {flag} {value}, but {flag} {given} was given{more}; "
-                             f"leave {flag} out to train them on as they are, or drop --init-heads to train new heads")
+            raise ValueError(f"--init-heads {path}: its heads have {_typed(flag, value)}, but {_typed(flag, given)} "
+                             f"was given{more}; leave {flag} out (of the command line and any --config recipe) to "
+                             f"train them on as they are, or drop --init-heads to train new heads")
     if grow:
+        say(f"--init-heads {path}: growing the heads to " + ", ".join(
+            f"{_typed('--' + name.replace('_', '-'), value)} (theirs: {theirs[name]})" for name, value in grow.items()))
         theirs.update(grow)
         state = medusa.heads.state_dict()
         medusa = MedusaModel.from_base(base_model, dataclasses.replace(config, **grow))
@@ -313,14 +318,20 @@ def continued_heads(base_model, cfg: TrainConfig) -> tuple[MedusaModel, TrainCon
 
 
 def _new_heads(heads, old_heads: int) -> None:
-    """Heads past the first `old_heads` start as copies of the last of those (residual blocks, own LM head): a new
-    head's guess starts as the last head's. For eagle heads that is already a guess one token further (the draft
-    layer runs one more level before it: right after three right guesses in 35% of MT-bench's row-steps with the
-    7.25M-token SmolLM2 heads, against 54% for their trained third). A dependent head's input over its path keeps its fresh
-    zeros, as every new head's starts."""
+    """Heads past the first `old_heads` start as copies of the last of those (residual blocks, own LM head), so a new
+    head starts from the last head's guess; eagle heads' draft layer runs one level more before it, so there it
+    starts as an untrained guess one token further. A dependent head's input over its path keeps its fresh zeros,
+    as every new head's starts."""
     for module in (heads.blocks, heads.lm_heads):
         for k in range(old_heads, len(module) if module is not None else 0):
             module[k].load_state_dict(module[old_heads - 1].state_dict())
+
+
+def _typed(flag: str, value) -> str:
+    """A setting as it is typed: --share-lm-head / --no-share-lm-head for a switch, else the flag and its value."""
+    if isinstance(value, bool):
+        return flag if value else flag.replace("--", "--no-", 1)
+    return f"{flag} {value}"
 
 
 def _added_block(name: str, old_layers: int) -> bool:
