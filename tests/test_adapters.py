@@ -438,7 +438,7 @@ def test_shipped_heads_read_unchanged():
     shipped = Path(__file__).parent.parent / "heads" / "smollm2-135m-instruct"
     before = {p.name: p.stat().st_mtime_ns for p in shipped.iterdir()}
     config, state_dict = read_heads(shipped)
-    assert (config.num_heads, config.draft_vocab_size, len(config.weights_sha256)) == (3, 4096, 64)  # checked on read
+    assert (config.num_heads, config.draft_vocab_size, len(config.weights_sha256)) == (4, 4096, 64)  # checked on read
     assert "token_map" in state_dict
     assert {p.name: p.stat().st_mtime_ns for p in shipped.iterdir()} == before  # a load writes nothing
 
