@@ -21,9 +21,7 @@ summed seconds of the generate calls (prefill included). Run it with nothing els
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import tempfile
 import time
 
 import torch
@@ -31,22 +29,11 @@ import torch
 from medusa_spec import DynamicTree, MedusaModel, default_model
 from medusa_spec.bench import MT_BENCH, encode, read_eval_prompts
 from medusa_spec.inputs import resolve_sampling, special_tokens
-from medusa_spec.io import load_adapter, save_adapter
 from medusa_spec.loop import decode
 from medusa_spec.propose import heads_proposer
 from medusa_spec.train.load import load_model_and_tokenizer
+from medusa_spec.train.loop import grown_heads
 from medusa_spec.tree import build_tree, grow_tree
-
-
-def deeper(heads_dir: str, extra: int, folder: str) -> str:
-    """A copy of the adapter in `folder` with `extra` more heads, each a copy of the last one's residual block."""
-    config, state = load_adapter(heads_dir)
-    last = config.num_heads - 1
-    for k in range(config.num_heads, config.num_heads + extra):
-        state |= {name.replace(f"blocks.{last}.", f"blocks.{k}.", 1): tensor.clone()
-                  for name, tensor in state.items() if name.startswith(f"blocks.{last}.")}
-    save_adapter(folder, dataclasses.replace(config, num_heads=config.num_heads + extra), state)
-    return folder
 
 
 def main() -> None:
@@ -67,9 +54,8 @@ def main() -> None:
     accuracy = mm._rank_accuracy()
     if not accuracy:
         raise SystemExit(f"{args.heads}: no rank accuracies in its metrics to grow the static trees from")
-    with tempfile.TemporaryDirectory() as folder:
-        drafting = MedusaModel.from_pretrained(base, deeper(args.heads, args.extra_depth, folder)) \
-            if args.extra_depth else mm
+    # Deeper levels: heads added after the adapter's, each a copy of its last (as `train --init-heads` grows them).
+    drafting = grown_heads(base, mm, {"num_heads": mm.config.num_heads + args.extra_depth}) if args.extra_depth else mm
     packs = mm._packed_weights
     makers = {}
     for n in args.nodes:

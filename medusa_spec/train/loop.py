@@ -303,18 +303,26 @@ def continued_heads(base_model, cfg: TrainConfig, say=print) -> tuple[MedusaMode
         say(f"--init-heads {path}: growing the heads to " + ", ".join(
             f"{_typed('--' + name.replace('_', '-'), value)} (theirs: {theirs[name]})" for name, value in grow.items()))
         theirs.update(grow)
-        state = medusa.heads.state_dict()
-        medusa = MedusaModel.from_base(base_model, dataclasses.replace(config, **grow))
-        missing, unexpected = medusa.heads.load_state_dict(state, strict=False)
-        new = [name for name in missing if not (name.startswith("fuse.") or _added_block(name, config.num_layers)
-                                                or _added_head(name, config.num_heads))]
-        if unexpected or new:
-            raise RuntimeError(f"--init-heads {path} grown by {sorted(grow)}: weights {sorted(unexpected)} unused and "
-                               f"{sorted(new)} missing; only the added layers should be new")
-        _new_heads(medusa.heads, config.num_heads)
-        medusa.heads.bind_lm_head(base_model.get_output_embeddings())
+        medusa = grown_heads(base_model, medusa, grow)
     medusa.config = dataclasses.replace(medusa.config, tree=None)
     return medusa, dataclasses.replace(cfg, **theirs)
+
+
+def grown_heads(base_model, medusa: MedusaModel, grow: dict) -> MedusaModel:
+    """A new MedusaModel on `base_model` whose heads are `medusa`'s grown by `grow` (feature_layers on heads that fuse
+    none, a larger num_layers or num_heads), starting from exactly their weights; the added ones as continued_heads
+    says."""
+    config = medusa.config
+    grown = MedusaModel.from_base(base_model, dataclasses.replace(config, **grow))
+    missing, unexpected = grown.heads.load_state_dict(medusa.heads.state_dict(), strict=False)
+    new = [name for name in missing if not (name.startswith("fuse.") or _added_block(name, config.num_layers)
+                                            or _added_head(name, config.num_heads))]
+    if unexpected or new:
+        raise RuntimeError(f"heads grown by {sorted(grow)}: weights {sorted(unexpected)} unused and {sorted(new)} "
+                           f"missing; only the added layers should be new")
+    _new_heads(grown.heads, config.num_heads)
+    grown.heads.bind_lm_head(base_model.get_output_embeddings())
+    return grown
 
 
 def _new_heads(heads, old_heads: int) -> None:
