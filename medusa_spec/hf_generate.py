@@ -38,9 +38,11 @@ from .model import MedusaModel
 # The folder to pass as custom_generate= (it holds custom_generate/generate.py, which imports `generate` below).
 CUSTOM_GENERATE = str(Path(__file__).with_name("hf_custom_generate"))
 
-# What transformers builds from the options medusa_spec decodes exactly; any other processor or criterion
-# (repetition_penalty, min_new_tokens, stop_strings, a caller's own, ...) would change the output.
-SAMPLING_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+# What transformers builds from the options medusa_spec decodes exactly, each warper with the setting it carries; these
+# are read from the lists transformers hands over, where a caller's own of the same class takes the place of the one
+# the options build. Any other processor or criterion (repetition_penalty, min_new_tokens, stop_strings, a subclass,
+# ...) would change the output.
+SAMPLING_WARPERS = {TemperatureLogitsWarper: "temperature", TopKLogitsWarper: "top_k", TopPLogitsWarper: "top_p"}
 STOPPING_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 # Model inputs transformers prepares for its own loop; medusa_spec builds its own positions and cache.
 # generate's own model kwargs; the cache is "past_key_values" in transformers releases before the rename (5.17).
@@ -63,17 +65,21 @@ def medusa_decoding(model: nn.Module, input_ids: torch.LongTensor, logits_proces
                     medusa_heads: MedusaModel | str | os.PathLike | None = None, tree=None, **model_kwargs):
     """transformers' decoding-loop contract (as `_sample`), run by MedusaModel.generate.
 
-    input_ids [B, S] (left-padded, with model_kwargs["attention_mask"]); max_new_tokens = max_length - S;
-    sampling and eos/pad from `generation_config`. `medusa_heads`: a MedusaModel on `model`, or an adapter
+    input_ids [B, S] (left-padded, with model_kwargs["attention_mask"]); sampling, max_length and eos from the
+    warpers and criteria of `logits_processor` and `stopping_criteria` (the options', or a caller's in their place),
+    pad from `generation_config`. `medusa_heads`: a MedusaModel on `model`, or an adapter
     folder (read at each call); `tree`: rank paths as in MedusaModel.generate. Returns sequences [B, S + new],
     or a GenerateDecoderOnlyOutput holding them when return_dict_in_generate.
     """
     medusa = _medusa_model(model, medusa_heads)
     _check_supported(generation_config, logits_processor, stopping_criteria, model_kwargs)
-    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    _check_positions(input_ids, model_kwargs)
+    sampling = _sampling(generation_config, logits_processor)
+    max_length, eos = _stopping(generation_config, stopping_criteria)
+    max_new_tokens = max_length - input_ids.shape[1]
     if max_new_tokens < 1:
-        raise ValueError(f"max_length={generation_config.max_length} leaves no room after the prompt of "
-                         f"{input_ids.shape[1]} tokens: pass max_new_tokens instead")
+        raise ValueError(f"max_length={max_length} leaves no room after the prompt of {input_ids.shape[1]} tokens: "
+                         f"pass max_new_tokens instead")
     # The settings transformers merged from the call's options and the model's generation_config, not the model's
     # alone: a call's repetition_penalty=1.0 lifts the model's 1.3. num_return_sequences: transformers has repeated
     # the rows already.
@@ -83,8 +89,8 @@ def medusa_decoding(model: nn.Module, input_ids: torch.LongTensor, logits_proces
     # may leave out an all-ones one (GenerationMixin.generate, _mask_length); a None would have prepare_inputs infer
     # padding from pad_token_id in the prompt again.
     mask = model_kwargs.get("attention_mask")
-    out = medusa.generate(input_ids, torch.ones_like(input_ids) if mask is None else mask, max_new_tokens, tree=tree,
-                          streamer=streamer, generation_config=settings)
+    out = medusa.generate(input_ids, torch.ones_like(input_ids) if mask is None else mask, max_new_tokens,
+                          eos_token_id=eos, tree=tree, streamer=streamer, generation_config=settings, **sampling)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out.sequences)
     return out.sequences
@@ -120,11 +126,12 @@ def _check_supported(generation_config: GenerationConfig, logits_processor, stop
     if outputs:
         raise ValueError(f"custom_generate=medusa_spec returns sequences only: drop {', '.join(outputs)} "
                          f"(return_dict_in_generate=True alone gives a GenerateDecoderOnlyOutput), {NO_CUSTOM}")
-    others = [type(p).__name__ for p in logits_processor if not isinstance(p, SAMPLING_WARPERS)]
-    others += [type(c).__name__ for c in stopping_criteria if not isinstance(c, STOPPING_CRITERIA)]
+    others = [type(p).__name__ for p in logits_processor if type(p) not in SAMPLING_WARPERS]
+    others += [type(c).__name__ for c in stopping_criteria if type(c) not in STOPPING_CRITERIA]
     if others:
         raise ValueError(f"custom_generate=medusa_spec applies temperature, top_k, top_p, eos_token_id and "
-                         f"max_new_tokens only, but these options add {', '.join(others)}: drop them, {NO_CUSTOM}")
+                         f"max_new_tokens only (or transformers' own warpers and criteria for them in logits_processor "
+                         f"and stopping_criteria), but these options add {', '.join(others)}: drop them, {NO_CUSTOM}")
     unknown = sorted(set(model_kwargs) - set(PREPARED_MODEL_KWARGS))
     if unknown:
         raise ValueError(f"custom_generate=medusa_spec takes input_ids and attention_mask, not {', '.join(unknown)}: "
@@ -133,3 +140,62 @@ def _check_supported(generation_config: GenerationConfig, logits_processor, stop
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("custom_generate=medusa_spec fills its own KV cache from the prompt: pass the whole text as "
                          "input_ids without past_key_values")
+
+
+def _check_positions(input_ids: torch.Tensor, model_kwargs: dict) -> None:
+    """Refuse position_ids other than those transformers makes without them (each token's count of tokens before it in
+    its row, padding counting none; _prepare_position_ids_for_generation): medusa_spec positions tokens so."""
+    given = model_kwargs.get("position_ids")
+    if given is None:
+        return
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask.long()
+    own = mask.cumsum(-1) - 1
+    if (given.dim() != 2 or given.shape[0] not in (1, input_ids.shape[0]) or given.shape[1] != input_ids.shape[1]
+            or not bool(((given.to(own.device) == own) | (mask == 0)).all())):
+        raise ValueError("custom_generate=medusa_spec positions each token by the attention_mask (the count of tokens "
+                         "before it in its row, as transformers does without position_ids) and takes no other "
+                         f"position_ids: drop position_ids, {NO_CUSTOM}")
+
+
+def _sampling(generation_config: GenerationConfig, logits_processor) -> dict:
+    """MedusaModel.generate's sampling arguments for what transformers' loop applies through `logits_processor`: its
+    warpers, each the options' or a caller's in its place, read in list order. medusa_spec applies temperature, then
+    top-k, then top-p (accept.kept_scores): temperatures multiply and top-k cuts keep the smallest, in any order
+    between them (a scale keeps the order of scores), but a top-p cut must come last and filter as transformers' own
+    (to -inf, keeping at least one token). Greedy: {"do_sample": False} (no warper changes the argmax)."""
+    if generation_config.get_generation_mode() != GenerationMode.SAMPLE:
+        return {"do_sample": False}
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    top_p = None  # the top-p warper read, which only the end of the list may follow
+    for warper in logits_processor:  # others were refused (_check_supported)
+        name = SAMPLING_WARPERS[type(warper)]
+        value = getattr(warper, name)
+        described = f"{type(warper).__name__}({name}={value})"
+        if top_p is not None:
+            raise ValueError(f"custom_generate=medusa_spec samples by temperature, then top_k, then top_p, but with "
+                             f"the logits_processor passed to generate transformers applies {top_p} before "
+                             f"{described}: pass the settings as options (top_p={sampling['top_p']}, top_k=, "
+                             f"temperature=) in place of warpers, {NO_CUSTOM}")
+        if name != "temperature" and (warper.filter_value != float("-inf") or
+                                      (name == "top_p" and warper.min_tokens_to_keep != 1)):
+            raise ValueError(f"custom_generate=medusa_spec filters as {name}={value} does (to -inf, keeping at least "
+                             f"one token), but the logits_processor passed to generate holds {described} with "
+                             f"filter_value={warper.filter_value}, min_tokens_to_keep={warper.min_tokens_to_keep}: "
+                             f"pass {name}={value} as an option in its place, {NO_CUSTOM}")
+        if name == "temperature":
+            sampling[name] *= value
+        elif name == "top_k":
+            sampling[name] = min(sampling[name] or value, value)
+        else:
+            sampling[name], top_p = value, described
+    return sampling
+
+
+def _stopping(generation_config: GenerationConfig, stopping_criteria) -> tuple[int, list[int]]:
+    """(max_length, eos ids) transformers' loop stops by: its MaxLengthCriteria and EosTokenCriteria, the options' or a
+    caller's in their place (others were refused: _check_supported). No EosTokenCriteria: no eos stops a row."""
+    lengths = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
+    eos = [token for c in stopping_criteria if type(c) is EosTokenCriteria
+           for token in c.eos_token_id.flatten().tolist()]
+    return min(lengths, default=generation_config.max_length), list(dict.fromkeys(eos))

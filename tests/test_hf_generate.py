@@ -4,7 +4,15 @@ as MedusaModel.generate, transformers' arguments, GenerationConfig, streamers an
 import pytest
 import torch
 from transformers import GenerationConfig, TextStreamer
-from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation import (
+    EosTokenCriteria,
+    GenerateDecoderOnlyOutput,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from medusa_spec.hf_generate import CUSTOM_GENERATE, medusa_decoding
 from test_generate import TREE, OracleHeads, RecordingStreamer, left_padded, medusa, prompt
@@ -218,3 +226,70 @@ def test_assistant_model_is_refused_by_the_folder():
         model.generate(prompt(seed=9), max_new_tokens=5, medusa_heads=medusa(model),
                        assistant_model=tiny_model("llama"), **ROUTES["folder"])
 
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_callers_sampling_warpers_are_applied(route):
+    """A caller's TopKLogitsWarper(5) is what transformers samples with (it takes the place of the options' top_k=50):
+    the draws are those of top_k=5; with temperature=0.7 transformers applies it before the temperature, the same
+    distribution."""
+    model = tiny_model("llama", lm_head_scale=1.0)
+    mm = medusa(model)
+    ids = prompt(seed=2, batch=2)
+    for options in (dict(), dict(temperature=0.7)):
+        args = dict(max_new_tokens=12, do_sample=True, **options)
+        torch.manual_seed(5)
+        ours = model.generate(ids, medusa_heads=mm, logits_processor=LogitsProcessorList([TopKLogitsWarper(5)]),
+                              **args, **ROUTES[route])
+        torch.manual_seed(5)
+        assert torch.equal(ours, mm.generate(ids, top_k=5, **args).sequences)
+        torch.manual_seed(5)
+        assert not torch.equal(ours, mm.generate(ids, **args).sequences)  # top_k=50 draws otherwise here
+
+
+class OwnTopK(TopKLogitsWarper):  # a caller's own processor, whatever it derives from
+    pass
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("processor, match", [
+    (TopPLogitsWarper(0.5), r"logits_processor.*TopPLogitsWarper\(top_p=0.5\) before TopKLogitsWarper.*top_p=0.5"),
+    (OwnTopK(5), "logits_processor.*OwnTopK: drop"),
+    (TopKLogitsWarper(5, filter_value=-1e4), "logits_processor.*filter_value=-10000.0.*pass top_k=5"),
+])
+def test_a_callers_warper_that_sampling_options_cannot_express_is_refused(route, processor, match):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        model.generate(prompt(seed=9), max_new_tokens=5, do_sample=True, medusa_heads=medusa(model),
+                       logits_processor=LogitsProcessorList([processor]), **ROUTES[route])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_callers_stopping_criteria_are_applied(route):
+    model = tiny_model("llama")
+    mm = medusa(model)
+    ids = prompt(seed=10)
+    length = ids.shape[1]
+    full = plain(model, ids, max_new_tokens=12)
+    assert full.shape[1] == length + 12
+    stop = int(full[0, length + 4])  # a token greedy decoding emits: the caller's own eos
+    for criteria in (MaxLengthCriteria(length + 6), EosTokenCriteria(stop)):
+        expected = plain(model, ids, max_new_tokens=12, stopping_criteria=StoppingCriteriaList([criteria]))
+        assert expected.shape[1] < full.shape[1]  # transformers stops where the caller's criterion says
+        ours = model.generate(ids, max_new_tokens=12, stopping_criteria=StoppingCriteriaList([criteria]),
+                              medusa_heads=mm, **ROUTES[route])
+        assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_position_ids_other_than_the_masks_are_refused(route):
+    """medusa_spec positions the tokens as transformers does without position_ids (the mask's count of tokens so
+    far): those are taken, any others refused."""
+    model = tiny_model("llama")
+    mm = medusa(model)
+    ids = prompt(seed=11)
+    own = torch.arange(ids.shape[1])[None]
+    ours = model.generate(ids, position_ids=own, max_new_tokens=6, medusa_heads=mm, **ROUTES[route])
+    assert torch.equal(ours, plain(model, ids, max_new_tokens=6))
+    with pytest.raises(ValueError, match="position_ids.*drop position_ids"):
+        model.generate(ids, position_ids=own + 3, max_new_tokens=6, medusa_heads=mm, **ROUTES[route])
