@@ -6,7 +6,7 @@
 # to be. Every line of output is timestamped: loading, tokenizing and each logged step show their cost.
 #
 #   MINUTES=6 STEPS=900 bash scripts/gpu_train.sh [OUT]         # OUT: runs/gpu-eagle
-#   GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf EXTRA="--draft-layer-mlp 576" bash scripts/gpu_train.sh runs/narrow
+#   GGUF=~/SmolLM2-135M-Instruct.Q4_1.gguf EXTRA="--draft-layer-mlp 576" bash scripts/gpu_train.sh runs/narrow
 #
 # Sizing STEPS: on an H200 (2026-12-04; SmolLM2-135M's shape, 4 eagle heads, batch 64, bf16) each of two runs
 # sharing the GPU trained at 98-100k tokens/s, about 0.33 s a step; one pass over the data's 31,073 rows of 512
