@@ -26,16 +26,19 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers.processors import TemplateProcessing
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import medusa_spec.train.server
 from medusa_spec import MedusaConfig, MedusaModel, grow_tree
+from medusa_spec.bench import encode
 from medusa_spec.cli import main as cli_main
 from medusa_spec.train import data as data_module
 from medusa_spec.train import loop
 from medusa_spec.train.cli import add_train_commands
 from medusa_spec.train.config import TrainConfig
 from medusa_spec.train.data import (
+    PLAIN_TEXT_TEMPLATE,
     Example,
     Prompt,
     collate,
@@ -443,6 +446,51 @@ def test_a_tokenizer_without_chat_template_is_refused_unless_plain_text(tmp_path
                                                 {"role": "assistant", "content": "w2 w3"}])
     marked = [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m]
     assert marked == ["w2", "w3", "<|end|>"]  # the plain format ends an answer with eos
+
+
+def bos_tokenizer() -> PreTrainedTokenizerFast:
+    """A base model's tokenizer: no chat template, and a BOS token put before any text (as Llama's and Gemma's)."""
+    words = ["<pad>", "<unk>", "<s>", "</s>", "User:", "Assistant:", "count", "from"] + [f"w{i}" for i in range(WORDS)]
+    vocab = {t: i for i, t in enumerate(words)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def test_the_plain_text_format_starts_with_the_bos_token_the_tokenizer_puts_before_text(tmp_path, monkeypatch):
+    """A base model has only read text after its BOS token: distill asks and train reads the plain-text format after
+    it, as generate's `tokenizer(text)` puts it (without it a real base model answered "Assistant Assistant ...")."""
+    distill_module = importlib.import_module("medusa_spec.train.distill")  # the package exports the function too
+
+    bos_tokenizer().save_pretrained(tmp_path / "base")
+    tiny_llama(bos_tokenizer()).save_pretrained(tmp_path / "base")
+    base_model, tokenizer = load_model_and_tokenizer(tmp_path / "base", plain_text=True)
+    prompt = "User: count from w1\n\nAssistant:"
+    generated = encode(AutoTokenizer.from_pretrained(tmp_path / "base"), prompt)[0].tolist()  # generate's prompt
+    assert generated == [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    asked = []
+    real_decode_stream = distill_module.decode_stream
+
+    def recording(model, requests, *args, **kwargs):
+        asked.extend(request.input_ids for request in requests)
+        return real_decode_stream(model, requests, *args, **kwargs)
+
+    monkeypatch.setattr(distill_module, "decode_stream", recording)
+    distill(base_model, tokenizer, [Prompt("p", ("count from w1",))],
+            distill_settings(tmp_path / "base", tmp_path / "out.jsonl", max_new_tokens=4), progress=False)
+    assert asked == [generated]
+
+    example = tokenize_conversation(tokenizer, [{"role": "user", "content": "count from w1"},
+                                                {"role": "assistant", "content": "w2 w3"}])
+    assert example.input_ids == tokenizer(f"{prompt} w2 w3</s>")["input_ids"]
+    marked = [t for t, m in zip(tokenizer.convert_ids_to_tokens(example.input_ids), example.loss_mask) if m]
+    assert marked == ["w2", "w3", "</s>"]
+    without_bos = make_tokenizer(chat_template=None)
+    require_chat_template(without_bos, plain_text=True)
+    assert without_bos.chat_template == PLAIN_TEXT_TEMPLATE  # nothing put first
 
 
 # ---------------------------------------------------------------- distillation

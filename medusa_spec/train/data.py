@@ -17,7 +17,8 @@ from .repetition import loop_start
 from .store import read_records
 
 # Used only when asked for (--plain-text): a model without a chat template is then trained,
-# distilled and must be prompted in this format ("User: ...\n\nAssistant: ..." + eos).
+# distilled and must be prompted in this format ("User: ...\n\nAssistant: ..." + eos), after the BOS token where
+# the tokenizer puts one before plain text (plain_text_template).
 PLAIN_TEXT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
@@ -208,6 +209,17 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
 
 # ---------------------------------------------------------------- chat template
 
+def plain_text_template(tokenizer) -> str:
+    """PLAIN_TEXT_TEMPLATE for `tokenizer`: after its BOS token where `tokenizer(text)` puts one first. A base model
+    has only ever read text so (the chat templates of Llama and Gemma put it first too); without it one such model
+    answered "User: How do I build a PC?\\n\\nAssistant:" with "Assistant Assistant ...", with it with an answer.
+    The template holds the BOS token as text, as chat templates do: every rendering is then tokenized without
+    special tokens."""
+    first = tokenizer("a")["input_ids"][:1]
+    adds_bos = tokenizer.bos_token_id is not None and first == [tokenizer.bos_token_id]
+    return ("{{ bos_token }}" if adds_bos else "") + PLAIN_TEXT_TEMPLATE
+
+
 def require_chat_template(tokenizer, plain_text: bool = False, source: str = "the tokenizer") -> None:
     """Refuse a tokenizer without a chat template, unless the plain-text format was asked for."""
     if tokenizer.chat_template:
@@ -216,7 +228,7 @@ def require_chat_template(tokenizer, plain_text: bool = False, source: str = "th
         raise ValueError(f"{source} has no chat template, so prompts cannot be formatted as the model expects. "
                          f"Use an instruct/chat model, set tokenizer.chat_template, or pass --plain-text to use "
                          f"the plain 'User: ...\\n\\nAssistant: ...' format (then prompt the model that way too)")
-    tokenizer.chat_template = PLAIN_TEXT_TEMPLATE
+    tokenizer.chat_template = plain_text_template(tokenizer)
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
