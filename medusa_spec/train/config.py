@@ -59,6 +59,8 @@ class TrainConfig:
     max_length: int = shared(1024)
     pack: bool = option(True, "pack several conversations per row (else one per row, padded)")
     keep_loops: bool = shared(False)
+    allow_degenerate_data: bool = option(False, "train on --data whose answers are mostly degenerate (empty, or fewer "
+                                         "than three distinct words), which is otherwise refused")
     batch_size: int = shared(8)
     grad_accum: int = option(1, "micro-batches per optimizer step")
     epochs: float = option(1.0, "passes over the training rows (unless --max-steps)")

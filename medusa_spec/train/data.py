@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .repetition import loop_start
+from .repetition import DEGENERATE_CAUSES, degenerate, loop_start
 from .store import read_records
 
 # Used only when asked for (--plain-text): a model without a chat template is then trained,
@@ -183,9 +183,10 @@ def read_prompt_files(specs: list[str], prompt_field: str | None = None) -> list
     return prompts
 
 
-def read_conversations(path: str | Path) -> list[list[dict]]:
+def read_conversations(path: str | Path, refuse_degenerate: bool = False) -> list[list[dict]]:
     """Conversations written by distill: one {"messages": [{"role", "content"}, ...]} per line of a
-    JSONL file, or per record of a distill output folder (gzipped chunks, see store.py)."""
+    JSONL file, or per record of a distill output folder (gzipped chunks, see store.py). refuse_degenerate (train's
+    check): refuse them when most of their answers are degenerate (repetition.degenerate)."""
     path = Path(path)
     if path.is_dir():
         records = list(enumerate(read_records(path), start=1))
@@ -204,6 +205,14 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{path}:{number}: the conversation has no assistant turn, so nothing to train on")
         conversations.append(messages)
+    if refuse_degenerate:
+        answers = [m["content"] for messages in conversations for m in messages if m["role"] == "assistant"]
+        bad = sum(map(degenerate, answers))
+        if bad > len(answers) / 2:
+            raise ValueError(f"{path}: {bad} of its {len(answers)} answers are degenerate (empty, or fewer than "
+                             f"three distinct words), so heads trained on them would learn nothing useful: "
+                             f"{DEGENERATE_CAUSES}. Distill again into a new --output once the cause is fixed, or "
+                             f"pass --allow-degenerate-data to train on them anyway")
     return conversations
 
 

@@ -29,6 +29,7 @@ from ..loop import eval_mode
 from .data import Prompt, normal_text, read_prompts, render, unique_prompts
 from .engine import Request, decode_stream
 from .options import option, shared
+from .repetition import AnswerWatch
 from .store import ConversationStore, complete_lines, is_folder, record_model
 
 SELF_PROMPTS = "self_prompts.jsonl"
@@ -60,6 +61,10 @@ class DistillConfig:
     prompt_temperature: float = option(1.0, "sampling temperature of model-written prompts and follow-ups, drawn "
                                             "from the whole distribution (--top-k and --top-p are the answers')")
     keep_loops: bool = shared(False)
+    max_degenerate: float = option(0.5, "stop once more than this share of the last --degenerate-window answers is "
+                                        "degenerate (empty, or fewer than three distinct words), the sign of a "
+                                        "prompt format the model does not know; 1: never stop")
+    degenerate_window: int = option(100, "answers --max-degenerate looks back over")
     chunk_size: int = option(2000, "conversations per gzipped chunk of an output folder")
     # None: bf16 where the device computes it natively (flags.fast_dtype): 1.5x the answer tokens/s of fp32 on an
     # AVX512-BF16 CPU (scripts/bench_distill.py) and the usual GPU dtype, while a CPU without it emulates bf16 far
@@ -75,11 +80,15 @@ class DistillConfig:
     seed: int = shared(0)
 
     def __post_init__(self):
-        for name in ("batch_size", "max_new_tokens", "max_prompt_tokens", "chunk_size", "concurrency"):
+        for name in ("batch_size", "max_new_tokens", "max_prompt_tokens", "chunk_size", "concurrency",
+                     "degenerate_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.self_prompts < 0:
             raise ValueError(f"--self-prompts must be >= 0 (0: none), got {self.self_prompts}")
+        if not 0 <= self.max_degenerate <= 1:
+            raise ValueError(f"--max-degenerate is a share of the answers, in [0, 1] (1: never stop); got "
+                             f"{self.max_degenerate}")
         if not 0 <= self.follow_ups <= 1:
             raise ValueError(f"--follow-ups is a share of the conversations, in [0, 1]; got {self.follow_ups}")
         if not self.prompt_temperature >= 0:  # nan too
@@ -240,6 +249,7 @@ def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, p
     stats = {"prompts": len(prompts), "duplicates": len(prompts) - len(unique),
              "skipped_finished": len(unique) - len(todo), "written": 0,
              "skipped_too_long": 0, "follow_ups": 0, "new_tokens": 0}
+    watch = AnswerWatch(cfg.max_degenerate, cfg.degenerate_window)
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     conversations = {p.id: list(system) for p in todo}
     turns = {p.id: list(p.turns) for p in todo}
@@ -290,6 +300,8 @@ def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, p
                 # the end-of-turn marker the chat template puts after it.
                 cut = {} if tokens and tokens[-1] in eos else {"cut": True}
                 conversations[pid].append({"role": "assistant", "content": text, **cut})
+                if watch.push(text, bool(cut)):  # the finished conversations are stored below, as at any stop
+                    raise ValueError(watch.stop_message(cfg.output))
                 request = ask(pid) if turns[pid] else None
                 if request is not None:
                     requests.appendleft(request)  # the next turn now, so the conversation closes soon
@@ -306,12 +318,15 @@ def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, p
                 store.append(batch)
                 stats["written"] += len(batch)
                 bar.update(len(batch))
-            bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
+            # A dict, not keywords, which tqdm would sort: tokens/s first, the answers' shares beside it.
+            bar.set_postfix({"tok_per_s": f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}",
+                             **watch.shares()})
     finally:  # finished conversations are kept whatever ends the run (a Ctrl-C included)
         pending = [r for r in pending if r["id"] not in store.done]
         store.append(pending)
         stats["written"] += len(pending)
     bar.close()
+    stats.update(answers=watch.answers, degenerate=watch.degenerate, cut=watch.cut)
     stats["seconds"] = round(time.perf_counter() - start, 1)
     stats["tokens_per_second"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
     return stats

@@ -75,7 +75,8 @@ def train(cfg: TrainConfig) -> dict:
 
     # 1. Data (read first: a bad file fails before a big model loads) and base model. Trainable
     # weights stay fp32; the base takes the mixed-precision dtype.
-    everything = [messages for path in cfg.data for messages in read_conversations(path)]
+    everything = [messages for path in cfg.data
+                  for messages in read_conversations(path, refuse_degenerate=not cfg.allow_degenerate_data)]
     conversations = without_excluded(everything, cfg.exclude, accelerator.print)
     replayed = replay_sample(everything, cfg.exclude, cfg.init_heads, cfg.replay, cfg.seed, accelerator.print)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..inputs import resolve_sampling
 from .data import Prompt, unique_prompts
+from .repetition import AnswerWatch
 from .store import ConversationStore, record_model
 
 
@@ -123,6 +124,7 @@ def distill_via_server(prompts: list[Prompt], cfg, progress: bool = True, timeou
     stats = {"prompts": len(prompts), "duplicates": len(prompts) - len(unique),
              "skipped_finished": len(unique) - len(todo), "written": 0,
              "skipped_too_long": 0, "new_tokens": 0}
+    watch = AnswerWatch(cfg.max_degenerate, cfg.degenerate_window)
     start = time.perf_counter()
     bar = tqdm(total=len(todo), unit="conv", disable=not progress, desc=f"distill via {base_url}")
     with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
@@ -136,13 +138,19 @@ def distill_via_server(prompts: list[Prompt], cfg, progress: bool = True, timeou
                 else:
                     store.append([record])  # one at a time: a crash loses at most the requests in flight
                     stats["written"] += 1
+                    stops = [watch.push(m["content"], m.get("cut", False))  # every answer counted, then judged
+                             for m in record["messages"] if m["role"] == "assistant"]
+                    if any(stops):
+                        raise ValueError(watch.stop_message(cfg.output))
                 bar.update(1)
-                bar.set_postfix(tok_per_s=f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}")
+                bar.set_postfix({"tok_per_s": f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}",
+                                 **watch.shares()})  # in this order (tqdm sorts keywords)
         except BaseException:
             for future in futures:
                 future.cancel()  # what is stored stays; a rerun resumes from there
             raise
     bar.close()
+    stats.update(answers=watch.answers, degenerate=watch.degenerate, cut=watch.cut)
     stats["seconds"] = round(time.perf_counter() - start, 1)
     stats["tokens_per_second"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
     stats["output"] = str(Path(cfg.output))
