@@ -64,7 +64,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms).
     `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights).
     `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n)."""
-    base, spec = columnwise_copy(mm.base_model, packs=packs), mm.spec  # as the decoding loop runs it (see columnwise)
+    base, spec = columnwise_copy(mm.base_model, packs=packs, eval_mode=True), mm.spec  # as the decoding loop runs it
     device = base.get_output_embeddings().weight.device
     ids = torch.randint(0, spec.vocab_size, (batch, context), device=device)
     valid = torch.ones_like(ids, dtype=torch.bool)

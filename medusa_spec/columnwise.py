@@ -170,7 +170,7 @@ class ColumnwiseLinear(nn.Linear):
 
 
 def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
-                    packs: PackedWeights | None = None) -> nn.Module | None:
+                    packs: PackedWeights | None = None, eval_mode: bool = False) -> nn.Module | None:
     """A copy of `module`'s tree whose plain nn.Linear layers compute through `linear`, and whose sdpa attention
     layers through `gqa_sdpa_attention` (or another registered attention function, `attention`: the data engine's
     takes each block of rows' own width); the decoding loops run the base model, the heads and a draft model through
@@ -181,10 +181,18 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
     copy's structure reaches `module`, and `module` computes as before in every thread. Subclasses are left
     alone (quantised layers; a LoRA wrapper calls its plain base layer, which is converted). Why a copy, not a
     torch function mode: a mode adds Python work to every op (~7 us; a SmolLM2-135M forward is 2,300 ops), so a
-    4-node verify took 115 ms under one and 94 ms through the copy. Returns `module` itself unless it holds
-    fp32 weights on CPU, where `linear` would only call nn.Linear.
+    4-node verify took 115 ms under one and 94 ms through the copy.
+
+    `eval_mode`: the copy runs in eval mode (the decoding loops: dropout on would be neither greedy nor the model's
+    distribution), its `training` set on the copy only, never on `module`, which another thread may be training;
+    then a module in train mode is copied on any device and dtype. Returns `module` itself where nothing would
+    change: not fp32 weights on CPU (`linear` would only call nn.Linear) and, with eval_mode, every module in eval
+    mode already.
     """
-    if module is None or not _on_cpu_in_fp32(module):
+    if module is None:
+        return None
+    columnwise = _on_cpu_in_fp32(module)
+    if not columnwise and not (eval_mode and any(m.training for m in module.modules())):
         return module
     copies: dict[int, nn.Module] = {}
     configs: dict[int, PreTrainedConfig] = {}
@@ -207,6 +215,10 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
             vars(clone)[name] = type(vars(original)[name])(vars(original)[name])
         vars(clone)["_modules"] = {name: None if child is None else copy_tree(child)
                                    for name, child in original._modules.items()}
+        if eval_mode:
+            vars(clone)["training"] = False
+        if not columnwise:
+            return clone
         if type(original) is nn.Linear:
             clone.__class__ = ColumnwiseLinear
             if packs is not None:

@@ -151,8 +151,9 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, draft_model: nn.Module, draft_spec, sampling: Sampling, num_draft_tokens: int | None,
                  max_draft_tokens: int):
-        # A column-wise copy (see columnwise), as the loop runs the base model.
-        self.draft_model, self.draft_spec, self.sampling = columnwise_copy(draft_model), draft_spec, sampling
+        # A column-wise copy in eval mode (see columnwise), as the loop runs the base model.
+        self.draft_model = columnwise_copy(draft_model, eval_mode=True)
+        self.draft_spec, self.sampling = draft_spec, sampling
         self.modules = (self.draft_model,)
         self.num_draft_tokens, self.max_draft_tokens = num_draft_tokens, max_draft_tokens
         self.max_depth = num_draft_tokens or max_draft_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -122,13 +122,11 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
     if timer is not None:
         timer.start(device)
 
-    with torch.inference_mode(), ExitStack() as modes:
-        # The base model and the proposers run in eval mode (a model left in train mode would decode with dropout
-        # on: neither greedy nor the model's distribution), each back in its own mode after. The candidates' few
-        # rows run column-wise on CPU, through a copy of the model (see columnwise).
-        for module in (base_model, *proposer.modules):
-            modes.enter_context(eval_mode(module))
-        base_model = columnwise_copy(base_model, packs=packs)
+    with torch.inference_mode():
+        # The base model runs in eval mode and, on CPU, its candidates' few rows column-wise: both through a copy
+        # (see columnwise), so no mode is written on the caller's model, which another thread may be training.
+        # The proposers' modules are such copies of their own.
+        base_model = columnwise_copy(base_model, packs=packs, eval_mode=True)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).

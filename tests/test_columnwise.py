@@ -128,6 +128,18 @@ def test_nothing_is_copied_unless_fp32_on_cpu():
     assert columnwise_copy(model.float()) is not model
 
 
+def test_an_eval_mode_copy_is_made_for_a_module_in_train_mode_on_any_dtype():
+    """eval_mode: the copy's modules in eval mode, the module's own left in train mode; a module already in eval mode
+    off CPU/fp32 runs itself."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).bfloat16().eval()
+    assert columnwise_copy(model, eval_mode=True) is model
+    model.train()
+    for dtype in (torch.bfloat16, torch.float32):
+        copy = columnwise_copy(model.to(dtype), eval_mode=True)
+        assert copy is not model and not any(m.training for m in copy.modules())
+        assert all(m.training for m in model.modules())
+
+
 @pytest.mark.parametrize("head_type", ["medusa", "dependent"])
 def test_generate_runs_tree_and_heads_columnwise(head_type, monkeypatch):
     """The decoding loop really takes the column-wise path in every plain Linear (decoder layers, LM head,

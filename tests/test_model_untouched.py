@@ -150,3 +150,42 @@ def test_switching_to_an_unmaskable_attention_after_building_is_refused():
     model.set_attn_implementation("flex_attention")
     with pytest.raises(UnsupportedModelError, match=r"flex_attention.*set_attn_implementation\('sdpa'\)"):
         mm.generate(prompt(6, seed=3), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: no column-wise copy of the model
+def test_generate_writes_no_training_flag_on_a_model_in_train_mode(dtype, monkeypatch):
+    """A model in train mode (dropout 0.5) decodes as in eval mode, losslessly, and not one of the caller's modules has
+    its `training` written, even for a moment: another thread training it keeps its dropout throughout, and two
+    overlapping calls cannot leave it in eval mode."""
+    model = tiny_model("gpt2", embd_pdrop=0.5, attn_pdrop=0.5, resid_pdrop=0.5).to(dtype)
+    mm = medusa(model)
+    ids = prompt(6, seed=4)
+    expected = mm.generate(ids, max_new_tokens=10, eos_token_id=[], tree=TREE).sequences
+    if dtype == torch.float32:
+        with torch.no_grad():
+            assert torch.equal(expected, model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None))
+    mm.train()
+    callers = {id(m) for m in mm.modules()}
+    writes, seen = [], []
+    setattr_ = torch.nn.Module.__setattr__
+
+    def recording(module, name, value):
+        if name == "training" and id(module) in callers:
+            writes.append(type(module).__name__)
+        setattr_(module, name, value)
+
+    def other_thread():  # what a thread training the model sees while generate runs
+        seen.append(all(m.training for m in mm.modules()))
+
+    def during_generate():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", recording)
+    torch.manual_seed(0)
+    out = mm.generate(ids, max_new_tokens=10, eos_token_id=[], tree=TREE, streamer=CallbackStreamer(during_generate))
+    assert writes == []
+    assert seen == [True]
+    assert torch.equal(out.sequences, expected)
+    assert all(m.training for m in mm.modules())
