@@ -1,9 +1,10 @@
 """A prompt pool of tasks over a given text, for self-distillation: summaries, extraction, answers from given
 documents, rewriting, and translation into English.
 
-These are the task types where the shipped heads guess worst (heads/smollm2-135m-instruct/README.md, "Where the heads
-lose on the benchmarks' text": head-0 top-1 0.16-0.32 on translation, summarization, answers from documents and
-extraction, against 0.48-0.54 on code and math), and the training pools in shared/data/train hold few of them. In such
+These are the task types where the shipped heads guess worst (experiments/2026-12-smollm2-135m-instruct/NOTES.md,
+"Where the heads lose on the benchmarks' text": head-0 top-1 0.16-0.32 on translation, summarization, answers from
+documents and extraction, against 0.48-0.54 on code and math), and the training pools (training/data/prompts) hold
+few of them. In such
 an answer the model copies and rephrases what the prompt holds, which a head must learn to read from the hidden state.
 
 The documents are the base model's own first answers in a distilled data folder (no text from outside the training
@@ -17,7 +18,7 @@ The output is a prompt file for `medusa-spec distill --prompts` ({"prompt", "cat
 file name and line number, so an existing output is never rewritten (the same data gives the same file: --seed).
 
     python scripts/document_prompts.py training/data/smollm2-135m-instruct OUT.jsonl --tasks 1000 \\
-        --translate shared/data/train/oasst1_val_prompts_qlora_oa_questions.jsonl
+        --translate runs/prompts/oasst1_val_prompts_qlora_oa_questions.jsonl   # training/data/prompts/unpack.sh
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Stage 1 of the SmolLM2-135M-Instruct heads recipe: self-distilled answers (greedy; bf16 weights where the
 # CPU or GPU computes bf16 natively, else fp32) into a folder of gzipped chunks in this repository, so any
 # machine continues it.
-# Round 1 answers every prompt pool in shared/data/train (GSM8K capped: the pools are mostly math
+# Round 1 answers every prompt pool of training/data/prompts (GSM8K capped: the pools are mostly math
 # otherwise; duplicates across pools are answered once). Then tasks over documents: summaries,
 # extraction, rewriting and answers from given documents over the model's own earlier answers, and
 # the OpenAssistant pool's non-English turns to translate into English (scripts/document_prompts.py;
@@ -18,7 +18,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-$HERE/../data/smollm2-135m-instruct}
 SELF=${2:-20000}
 shift $(( $# > 2 ? 2 : $# ))
-TRAIN=$(cd "$HERE/../../.." && pwd)/shared/data/train
+TRAIN=$(bash "$HERE/../data/prompts/unpack.sh" "$(mktemp -d)")  # the pools, as distill reads them
 MODEL=$(python -c "from medusa_spec import default_model; print(default_model.prepare())")
 POOLS=()
 for f in "$TRAIN"/*.jsonl; do
