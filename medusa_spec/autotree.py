@@ -66,7 +66,9 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n)."""
     base, spec = columnwise_copy(mm.base_model, packs=packs, eval_mode=True), mm.spec  # as the decoding loop runs it
     device = base.get_output_embeddings().weight.device
-    ids = torch.randint(0, spec.vocab_size, (batch, context), device=device)
+    # Any tokens: only the costs count. A generator of its own: the process-wide one, which other threads and the
+    # caller's seeded draws use, is neither drawn from nor rewound.
+    ids = torch.randint(0, spec.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
     valid = torch.ones_like(ids, dtype=torch.bool)
     layers = getattr(mm.heads, "feature_layers", ())
     _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)

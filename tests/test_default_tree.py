@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from medusa_spec import MedusaConfig, MedusaModel, autotree, model, propose
+from test_eagle import eagle_heads
 from tiny_models import tiny_model
 
 ACCURACY = [[0.8, 0.1], [0.6, 0.1]]
@@ -227,3 +228,29 @@ def test_a_batch_adapts_to_the_row_the_heads_serve_worst():
     steps(8, [True, False])
     adaptive.propose(root)
     assert adaptive.sizes[-1] > 1  # row 1 is done: row 0's guesses, all right, set the tree
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "eagle"])
+def test_the_first_calls_timing_neither_draws_from_nor_rewinds_the_global_generator(head_type, monkeypatch):
+    """The timing passes draw their random tokens from a generator of their own: the process-wide one is not drawn
+    from, and what another thread draws from it meanwhile stays drawn (fork_rng would rewind it on leaving, and
+    fork only the CPU and CUDA generators)."""
+    mm = with_accuracies() if head_type == "medusa" else eagle_heads(tiny_model("llama"), num_heads=2)
+    prefill, draws = autotree.prefill, []
+
+    def prefill_while_another_thread_draws(*args, **kwargs):
+        draws.append(torch.rand(3))  # another thread's draw from the process-wide generator, meanwhile
+        return prefill(*args, **kwargs)
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError("fork_rng forks the process-wide generators")
+
+    monkeypatch.setattr(autotree, "prefill", prefill_while_another_thread_draws)
+    monkeypatch.setattr(torch.random, "fork_rng", no_fork)
+    torch.manual_seed(0)
+    mm.tree_table() if head_type == "medusa" else mm.dynamic_tree()
+    after = torch.get_rng_state()
+    torch.manual_seed(0)
+    for _ in draws:  # the other thread's draws alone
+        torch.rand(3)
+    assert draws and torch.equal(after, torch.get_rng_state())
