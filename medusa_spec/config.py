@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .eagle3 import check_spec
 from .tree import validate_choices
 
 FORMAT_VERSION = 1
@@ -19,8 +20,9 @@ CONFIG_NAME = "medusa_config.json"
 REQUIRED_KEYS = ("num_heads", "num_layers", "share_lm_head", "hidden_size", "vocab_size")
 # "medusa": head k reads the hidden state only. "dependent" (Hydra-style): it also reads the
 # embeddings of the tokens on the path to its parent. "eagle" (EAGLE-style): a draft layer with its own cache turns
-# the state and the next token into the next state, drafting level by level on its own outputs (eagle.py).
-HEAD_TYPES = ("medusa", "dependent", "eagle")
+# the state and the next token into the next state, drafting level by level on its own outputs (eagle.py). "eagle3":
+# EAGLE-3 exactly as speculators (vLLM's training library) defines it, drafting the same way (eagle3.py).
+HEAD_TYPES = ("medusa", "dependent", "eagle", "eagle3")
 
 
 @dataclass
@@ -31,10 +33,13 @@ class MedusaConfig:
     the base model's own LM head predicts the token 1 position ahead.
     """
 
+    # Eagle3 heads: the levels they draft (speculators' speculative_tokens).
     num_heads: int = 4
+    # Eagle3 heads: the draft's decoder layers (its transformer_layer_config's num_hidden_layers).
     num_layers: int = 1
     # True: heads project through the base model's LM head (no extra vocab-sized matrices).
-    # False: each head owns a projection initialised from the base output embedding (original Medusa).
+    # False: each head owns a projection initialised from the base output embedding (original Medusa); eagle3
+    # heads' draft owns one LM head, so False for them.
     share_lm_head: bool = True
     hidden_size: int | None = None
     vocab_size: int | None = None
@@ -45,10 +50,13 @@ class MedusaConfig:
     context_heads: int = 0
     # Layers of the base (i: decoder layer i's output, 0: the embeddings) whose hidden states the heads read beside
     # the final one, added through a learned projection (EAGLE-3's low / middle / high-layer features); [] = none.
+    # Eagle3 heads read these alone, in this order (speculators' eagle_aux_hidden_state_layer_ids); [] takes
+    # speculators' default when they are attached.
     feature_layers: list[int] = field(default_factory=list)
-    # Eagle heads' draft layer: {"num_attention_heads": n, "intermediate_size": m} (its width is hidden_size);
-    # null for the other head types, and filled in from the base model when eagle heads are attached.
-    draft_layer: dict[str, int] | None = None
+    # Eagle heads' draft layer: {"num_attention_heads": n, "intermediate_size": m} (its width is hidden_size).
+    # Eagle3 heads': speculators' transformer_layer_config and norm flags, under its names (eagle3.SPEC_KEYS).
+    # Null for the other head types, and filled in from the base model when eagle or eagle3 heads are attached.
+    draft_layer: dict[str, Any] | None = None
     base_model_name_or_path: str | None = None
     # Default tree for generate(), as Medusa "choices" (rank paths); None = a built-in default.
     tree: list[list[int]] | None = None
@@ -62,6 +70,10 @@ class MedusaConfig:
     # replaces or removes lora/ only where this records it, so a lora/ folder of the user's own is never deleted.
     # False in adapters saved before it was recorded. Not compared: it names a folder, not the heads.
     lora: bool = field(default=False, compare=False)
+    # What the format the heads were read from records that medusa_spec does not use (a speculators config's
+    # versions, architectures, proposal settings), written back when they are converted to that format again.
+    # Not compared: it describes a file, not the heads.
+    source_config: dict[str, Any] = field(default_factory=dict, compare=False)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -94,7 +106,8 @@ class MedusaConfig:
         if not all(is_index) or len(set(layers)) < len(layers):
             raise ValueError(f"MedusaConfig.feature_layers must be distinct layer indices >= 0 (e.g. [8, 16]), "
                              f"got {layers!r}")
-        self.feature_layers = sorted(layers)
+        # Eagle3 heads concatenate them in the order given (their fc's columns); others sum them, in any order.
+        self.feature_layers = list(layers) if self.head_type == "eagle3" else sorted(layers)
         self._check_draft_layer()
         self._check_metrics()
         if self.tree is not None:
@@ -122,15 +135,27 @@ class MedusaConfig:
                              f"0.1]], got {ranks!r}; fix it, or delete it to decode with the adapter's stored tree")
 
     def _check_draft_layer(self) -> None:
-        if self.head_type == "eagle" and self.context_heads:
-            raise ValueError("eagle heads take no context layer (context_heads must be 0): their draft layer already "
-                             "attends over the text")
+        if not isinstance(self.source_config, dict):
+            raise ValueError(f"MedusaConfig.source_config must be an object, got {self.source_config!r}")
+        if self.head_type in ("eagle", "eagle3") and self.context_heads:
+            raise ValueError(f"{self.head_type} heads take no context layer (context_heads must be 0): their draft "
+                             f"layer already attends over the text")
+        if self.head_type == "eagle3":
+            if self.share_lm_head:
+                raise ValueError("eagle3 heads own their LM head (speculators' lm_head over the draft vocabulary): set "
+                                 "share_lm_head to false")
+            if self.num_layers < 1:
+                raise ValueError(f"MedusaConfig.num_layers of eagle3 heads counts their draft's decoder layers: at "
+                                 f"least 1, got {self.num_layers}")
+            if self.draft_layer is not None:
+                check_spec(self.draft_layer, self.hidden_size, self.num_layers)
+            return
         shape = self.draft_layer
         if shape is None:
             return
         if self.head_type != "eagle":
-            raise ValueError(f"MedusaConfig.draft_layer is for head_type 'eagle' only; set it to null for "
-                             f"{self.head_type} heads")
+            raise ValueError(f"MedusaConfig.draft_layer is for head_type 'eagle' and 'eagle3' only; set it to null "
+                             f"for {self.head_type} heads")
         keys = ("num_attention_heads", "intermediate_size")
         positive = [isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape.values()] \
             if isinstance(shape, dict) else [False]

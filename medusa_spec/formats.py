@@ -1,5 +1,5 @@
-"""Interchange with other Medusa head layouts: the original Medusa repo's (which TensorRT-LLM's and TGI's
-converters read) and vLLM's.
+"""Interchange with other head layouts: the original Medusa repo's (which TensorRT-LLM's and TGI's converters read),
+vLLM's Medusa, and speculators' EAGLE-3 (speculators_format.py), which vLLM and SGLang serve.
 
 Every reader returns medusa_spec's own layout (a MedusaConfig and a state dict named as MedusaHeads names its
 tensors, which is vLLM's naming), so each format needs one reader and one writer, not one per pair. Head and
@@ -23,8 +23,9 @@ from torch import nn
 from . import io
 from .base import inspect_base_model
 from .config import CONFIG_NAME, MedusaConfig, read_json_object
+from .speculators_format import is_speculators_config, read_speculators, write_speculators
 
-FORMATS = ("medusa_spec", "medusa", "vllm")
+FORMATS = ("medusa_spec", "medusa", "vllm", "speculators")
 HF_CONFIG = "config.json"  # the original Medusa and vLLM layouts both keep their config here
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 VLLM_WEIGHTS = "model.safetensors"  # vLLM reads every *.safetensors in the folder; this is the usual name
@@ -37,7 +38,7 @@ _MEDUSA_PROJECTION_KEY = re.compile(r"(\d+)\.(\d+)\.weight")
 
 
 def detect_format(path: str | Path) -> str:
-    """"medusa_spec", "medusa" (original) or "vllm", judged by the files in the folder `path`."""
+    """"medusa_spec", "medusa" (original), "vllm" or "speculators", judged by the files in the folder `path`."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no adapter folder at {path}; save one with MedusaModel.save_heads({str(path)!r})")
@@ -51,8 +52,8 @@ def detect_format(path: str | Path) -> str:
             return fmt  # for "medusa", its weights file is missing: read_medusa says so
     raise FileNotFoundError(
         f"{path} holds no Medusa heads: expected {CONFIG_NAME} + {io.WEIGHTS_NAME} (medusa_spec), {HF_CONFIG} + "
-        f"{' or '.join(MEDUSA_WEIGHTS)} (original Medusa), or {HF_CONFIG} with model_type \"medusa\" + *.safetensors "
-        f"(vLLM)")
+        f"{' or '.join(MEDUSA_WEIGHTS)} (original Medusa), {HF_CONFIG} with model_type \"medusa\" + *.safetensors "
+        f"(vLLM), or {HF_CONFIG} with speculators_model_type + *.safetensors (speculators' EAGLE-3)")
 
 
 def heads_without_model(path: str | Path) -> str | None:
@@ -69,20 +70,27 @@ def heads_without_model(path: str | Path) -> str | None:
 
 
 def _config_format(config: dict) -> str | None:
-    """"vllm" or "medusa" for a config.json of that format's heads; None for any other (a base model's)."""
+    """"vllm", "medusa" or "speculators" for a config.json of that format's heads; None for any other (a base
+    model's)."""
+    if is_speculators_config(config):
+        return "speculators"
     if config.get("model_type") == "medusa":
         return "vllm"
     return "medusa" if "medusa_num_heads" in config else None
 
 
-def read_heads(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+def read_heads(path: str | Path, base_lm_head: nn.Module | None = None,
+               base_embeddings: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Config and state dict, in medusa_spec's layout, of the heads in `path`, whichever format it holds.
     `base_lm_head`, the base model's output embeddings, is needed for a vLLM checkpoint that carries a copy of
-    it (see read_vllm)."""
+    it (see read_vllm); `base_embeddings`, its input embeddings, for a speculators draft that carries a copy of
+    them (see read_speculators)."""
     io.finish_interrupted_save(path)  # a save killed midway may have left part of its files to move into place
     fmt = detect_format(path)
     if fmt == "vllm":
         return read_vllm(path, base_lm_head)
+    if fmt == "speculators":
+        return read_speculators(path, base_embeddings)
     return io.load_adapter(path) if fmt == "medusa_spec" else read_medusa(path, base_lm_head)
 
 
@@ -104,7 +112,7 @@ def read_medusa(path: str | Path,
     projections = [key for key in tensors
                    if (m := _MEDUSA_PROJECTION_KEY.fullmatch(key)) and int(m[2]) == num_layers]
     if (projections and base_lm_head is not None and (base_lm_head.bias is None or not bool(base_lm_head.bias.any()))
-            and all(_same_weight(tensors[key], base_lm_head.weight.detach()) for key in projections)):
+            and all(io.same_weight(tensors[key], base_lm_head.weight.detach()) for key in projections)):
         tensors = {key: value for key, value in tensors.items() if key not in projections}
     return _heads_from_weights(
         {_from_medusa_key(key, num_layers): value for key, value in tensors.items()}, weights_file,
@@ -179,20 +187,11 @@ def _check_lm_head_copy(copy: torch.Tensor, key: str, base_lm_head: nn.Module | 
     if copy.shape != expected.shape:
         raise ValueError(f"{source}: {key} has shape {tuple(copy.shape)} but the base model's LM head (its token-map "
                          f"rows, with a token_map) has {tuple(expected.shape)}; these heads belong to another model")
-    if not _same_weight(copy, expected):
+    if not io.same_weight(copy, expected):
         raise ValueError(f"{source}: {key}, the LM head vLLM drafts with (original_lm_head), differs from this base "
                          f"model's LM head, so these heads would draft other tokens here than in vLLM; load them onto "
                          f"the base model they were trained with, or, to keep that LM head, store it as every head's "
                          f"own lm_heads.{{h}}.weight with original_lm_head false")
-
-
-def _same_weight(copy: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Whether `copy` is `expected`; a copy saved in another precision is the same when both agree at the coarser of
-    the two."""
-    if copy.shape != expected.shape:
-        return False
-    coarser = max(copy.dtype, expected.dtype, key=lambda dtype: torch.finfo(dtype).eps)
-    return torch.equal(copy.to(expected.device, coarser), expected.to(coarser))
 
 
 def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, base_model_name_or_path,
@@ -306,7 +305,7 @@ def write_medusa(path: str | Path, config: MedusaConfig, state_dict: dict[str, t
     # The .pt name is listed so a stale one is removed: TensorRT-LLM reads medusa_lm_head.pt first.
     with io.staged_save(path, (*MEDUSA_WEIGHTS, HF_CONFIG)) as staged:
         save_file(tensors, str(staged / MEDUSA_WEIGHTS[0]), metadata={"format": "pt"})
-        _write_json(staged / HF_CONFIG, meta)
+        io.write_json(staged / HF_CONFIG, meta)
 
 
 def _base_lm_head_weight(base_lm_head: nn.Module, config: MedusaConfig, path, holder: str) -> torch.Tensor:
@@ -361,7 +360,7 @@ def write_vllm(path: str | Path, config: MedusaConfig, state_dict: dict[str, tor
         meta["truncated_vocab_size"] = projection_rows
     with io.staged_save(path, (VLLM_WEIGHTS, HF_CONFIG)) as staged:
         save_file(tensors, str(staged / VLLM_WEIGHTS), metadata={"format": "pt"})
-        _write_json(staged / HF_CONFIG, meta)
+        io.write_json(staged / HF_CONFIG, meta)
 
 
 def _refuse_unsupported(config: MedusaConfig, path, format_name: str, token_map_ok: bool) -> None:
@@ -383,11 +382,12 @@ def _refuse_unsupported(config: MedusaConfig, path, format_name: str, token_map_
 def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
             base_model: str | Path | nn.Module | None = None) -> None:
     """Read heads from `src_dir` (format detected) and write them to `dst_dir` in format `to`: "medusa_spec",
-    "medusa" (original) or "vllm".
+    "medusa" (original), "vllm" or "speculators" (EAGLE-3, eagle3 heads only).
 
     `base_model`, a path or a loaded model, supplies the LM head that vLLM's format stores for shared-LM-head
     heads and the sizes a "version 2" Medusa checkpoint does not record, and is checked against the heads (and
-    against the LM head copy a vLLM checkpoint carries, which needs it). A Medusa-2 LoRA adapter is not
+    against the LM head copy a vLLM checkpoint carries, which needs it); a speculators folder gets its input
+    embeddings, and one read is checked against them. A Medusa-2 LoRA adapter is not
     converted: the other formats hold heads only. `dst_dir` may be new, empty or hold `to` heads (replaced); one
     holding another format's heads or another model's files, or `src_dir` itself, is refused.
     """
@@ -408,7 +408,8 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
 
         base_model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype="auto")
     base_lm_head = base_model.get_output_embeddings() if base_model is not None else None
-    config, state_dict = read_heads(src_dir, base_lm_head)
+    config, state_dict = read_heads(src_dir, base_lm_head,
+                                    base_model.get_input_embeddings() if base_model is not None else None)
     if (Path(src_dir) / io.LORA_DIR).exists():
         warnings.warn(f"{Path(src_dir) / io.LORA_DIR} (a LoRA adapter for the base model) is not converted; merge it "
                       f"into the base model to serve it with an engine", stacklevel=2)
@@ -425,6 +426,8 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
         io.save_adapter(dst_dir, config, state_dict)
     elif to == "medusa":
         write_medusa(dst_dir, config, state_dict, base_lm_head)
+    elif to == "speculators":
+        write_speculators(dst_dir, config, state_dict, base_model)
     else:
         write_vllm(dst_dir, config, state_dict, base_lm_head)
 
@@ -441,14 +444,11 @@ def _files_in_the_way(path: Path, to: str) -> list[str]:
     except (OSError, ValueError):  # none, or unreadable: not a Medusa config.json
         config_format = None
     own = {"medusa_spec": {CONFIG_NAME, io.WEIGHTS_NAME, io.LORA_DIR}, "medusa": {HF_CONFIG, *MEDUSA_WEIGHTS},
-           "vllm": {HF_CONFIG, VLLM_WEIGHTS}}[to]
+           "vllm": {HF_CONFIG, VLLM_WEIGHTS}, "speculators": {HF_CONFIG, VLLM_WEIGHTS}}[to]
     if to != "medusa_spec" and config_format != to:
         own -= {HF_CONFIG, VLLM_WEIGHTS}  # config.json and vLLM's weights beside it are another format's or model's
     found = names & {CONFIG_NAME, io.WEIGHTS_NAME, io.LORA_DIR, HF_CONFIG, *MEDUSA_WEIGHTS, VLLM_WEIGHTS}
-    if to == "vllm":
+    if to in ("vllm", "speculators"):
         found |= {name for name in names if name.endswith(".safetensors")}  # vLLM reads every one in the folder
     return sorted(found - own)
 
-
-def _write_json(file: Path, data: dict) -> None:
-    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

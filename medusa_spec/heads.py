@@ -10,6 +10,10 @@ Eagle heads (EAGLE-style, see eagle.py): a draft layer, one small decoder layer 
 state and the next token into the state one position on, and reads its own output as it drafts deeper; head k's
 block reads the layer's output k slots down the drafted path.
 
+Eagle3 heads (EAGLE-3 as speculators defines it, see eagle3.py): the same drafting by level, with speculators' draft
+(its fc over the feature_layers' states, its decoder layers, norm and LM head) as the draft layer; "head" k is its
+k-th level, with no block or projection of its own.
+
 Optionally the heads read a context layer's output instead of h_t (`context`: attention over the text
 so far, see context.py; the callers apply it, as it needs the whole sequence or its cache).
 
@@ -34,6 +38,7 @@ from .columnwise import linear
 from .config import HEAD_TYPES
 from .context import ContextLayer, unit_rms
 from .eagle import DraftLayer
+from .eagle3 import Eagle3Draft
 
 
 class ResidualBlock(nn.Module):
@@ -58,15 +63,23 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, share_lm_head: bool,
                  head_type: str = "medusa", draft_vocab_size: int | None = None, context_heads: int = 0,
-                 feature_layers: tuple[int, ...] = (), draft_layer: dict[str, int] | None = None):
+                 feature_layers: tuple[int, ...] = (), draft_layer: dict | None = None):
         super().__init__()
         if head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {', '.join(HEAD_TYPES)}, got {head_type!r}")
-        if (head_type == "eagle") != (draft_layer is not None):
-            raise ValueError("draft_layer (the draft layer's shape) must be given for head_type 'eagle', and only then")
-        # Both draft level by level: a guess depends on the drafted path to it.
-        self.dependent = head_type in ("dependent", "eagle")
-        self.draft_layer = DraftLayer(hidden_size, draft_layer) if draft_layer is not None else None
+        if (head_type in ("eagle", "eagle3")) != (draft_layer is not None):
+            raise ValueError("draft_layer (the draft layer's description) must be given for head_type 'eagle' and "
+                             "'eagle3', and only then")
+        self.head_type = head_type
+        # They draft level by level: a guess depends on the drafted path to it.
+        self.dependent = head_type in ("dependent", "eagle", "eagle3")
+        eagle3 = head_type == "eagle3"
+        if eagle3:
+            self.draft_layer = Eagle3Draft(draft_layer, len(feature_layers), draft_vocab_size or vocab_size)
+            # No block or projection per level: the draft's own norm and LM head serve every one.
+            num_layers, share_lm_head = 0, True
+        else:
+            self.draft_layer = DraftLayer(hidden_size, draft_layer) if draft_layer is not None else None
         if head_type == "dependent":
             # Head k adds a projection of its k + 1 path embeddings to h. It starts at zero (a plain Medusa
             # head), and h passes through untouched: a layer over [h, path] instead, with fan-in (k + 2) H,
@@ -77,7 +90,8 @@ class MedusaHeads(nn.Module):
                 nn.init.zeros_(layer.bias)
         self.context = ContextLayer(hidden_size, context_heads) if context_heads else None
         self.feature_layers = tuple(feature_layers)
-        self.fuse = nn.Linear(len(feature_layers) * hidden_size, hidden_size) if feature_layers else None
+        # Eagle3 heads fuse the feature layers' states in their draft (its fc), without the final state.
+        self.fuse = nn.Linear(len(feature_layers) * hidden_size, hidden_size) if feature_layers and not eagle3 else None
         if self.fuse is not None:
             nn.init.zeros_(self.fuse.weight)
             nn.init.zeros_(self.fuse.bias)
@@ -109,29 +123,40 @@ class MedusaHeads(nn.Module):
         self.token_map.copy_(token_map)
         self.bind_lm_head(base_lm_head)
 
+    @classmethod
+    def from_config(cls, config) -> "MedusaHeads":
+        """The heads a MedusaConfig describes (its hidden_size and vocab_size set), newly initialised."""
+        return cls(config.hidden_size, config.vocab_size or 0, config.num_heads, config.num_layers,
+                   config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
+                   config.feature_layers, config.draft_layer)
+
     def bind_lm_head(self, base_lm_head: nn.Module) -> None:
         """Cache the base LM head's rows for the token map (call after loading a token map)."""
-        if self.token_map is not None and self.lm_heads is None:
+        if self.token_map is not None and self.lm_heads is None and self.head_type != "eagle3":
             weight = base_lm_head.weight.detach()
             dtype = next(self.parameters(), weight).dtype  # the heads' compute dtype (fp32 in training)
             self.draft_lm_weight = weight[self.token_map.to(weight.device)].to(dtype)
 
     def init_projections_from(self, output_embeddings: nn.Module) -> None:
         """Original Medusa: every head's own projection starts as a copy of the base LM head
-        (its rows for the draft vocabulary, with a token map)."""
-        if self.lm_heads is None:
+        (its rows for the draft vocabulary, with a token map); eagle3's LM head too, as speculators starts it."""
+        own = self.lm_heads if self.head_type != "eagle3" else [self.draft_layer.lm_head]
+        if own is None:
             return
         weight = output_embeddings.weight
         if self.token_map is not None:
             weight = weight[self.token_map.to(weight.device)]
         with torch.no_grad():
-            for lm_head in self.lm_heads:
+            for lm_head in own:
                 lm_head.weight.copy_(weight)
 
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The base's states [..., (1 + n) H] (the final one, then those of the n feature_layers; see
         base_features) -> the heads' input [..., H]: the final state plus the projection of the others, each at
-        unit RMS (a layer's residual stream grows with depth, the final state is normed)."""
+        unit RMS (a layer's residual stream grows with depth, the final state is normed). Eagle3 heads: their
+        draft's fc over the feature layers' states alone."""
+        if self.head_type == "eagle3":
+            return self.draft_layer.fuse(hidden_states[..., self.draft_layer.fc.out_features:])
         if self.fuse is None:
             return hidden_states
         width = self.fuse.out_features
@@ -144,6 +169,8 @@ class MedusaHeads(nn.Module):
 
     def project(self, states: torch.Tensor, base_lm_head: nn.Module, head: int | None = None) -> torch.Tensor:
         """Head states [..., K, H] (or [..., H] of head `head`) -> logits over the draft vocabulary."""
+        if self.head_type == "eagle3":
+            return self.draft_layer.lm_head(states)
         if self.lm_heads is not None:
             if head is not None:
                 return self.lm_heads[head](states)
@@ -157,6 +184,8 @@ class MedusaHeads(nn.Module):
     def projection(self, head: int, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight [V', H], bias or None) of head `head`'s vocabulary projection: what project() applies,
         for the training loss, which forms logits a chunk of positions at a time."""
+        if self.head_type == "eagle3":
+            return self.draft_layer.lm_head.weight, None
         if self.lm_heads is not None:
             return self.lm_heads[head].weight, None
         if self.token_map is None:
@@ -177,6 +206,8 @@ class MedusaHeads(nn.Module):
 
     def draft_logits(self, k: int, draft_outputs: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Eagle head k: the draft layer's outputs [..., H] k slots down a drafted path -> logits [..., V']."""
+        if self.head_type == "eagle3":
+            return self.project(self.draft_layer.head_input(draft_outputs), base_lm_head, head=k)
         return self.project(self.blocks[k](draft_outputs), base_lm_head, head=k)
 
     def forward(self, hidden_states: torch.Tensor, base_lm_head: nn.Module,
@@ -198,6 +229,10 @@ class MedusaHeads(nn.Module):
             if next_embeds is None or allowed is None or position_ids is None:
                 raise ValueError("eagle heads need next_embeds, allowed and position_ids: the draft layer runs over "
                                  "the whole row")
+            if self.head_type == "eagle3":  # past the row's end the path's tokens are zeros, as in eagle's unroll
+                padded = torch.cat([next_embeds, next_embeds.new_zeros(*next_embeds.shape[:-2], self.num_heads - 1,
+                                                                       next_embeds.shape[-1])], dim=-2)
+                return self.draft_layer.unroll(hidden_states, padded, allowed, position_ids, self.num_heads)
             outputs = self.draft_layer.unroll(hidden_states, next_embeds, allowed, position_ids, self.num_heads)
             return torch.stack([block(outputs[..., k, :]) for k, block in enumerate(self.blocks)], dim=-2)
         if not self.dependent:

@@ -252,11 +252,12 @@ def expected_shapes(config: MedusaConfig, source) -> dict[str, torch.Size]:
     if config.head_type == "eagle" and config.draft_layer is None:
         raise ValueError(f"{source}: eagle heads without draft_layer (the draft layer's shape); re-save the adapter "
                          f"with save_heads()")
+    if config.head_type == "eagle3" and (config.draft_layer is None or not config.feature_layers):
+        raise ValueError(f"{source}: eagle3 heads without draft_layer or feature_layers; re-save the adapter with "
+                         f"save_heads()")
     with torch.device("meta"):
         # A shared LM head is the base model's: the heads hold nothing vocabulary-sized, so 0 stands in.
-        heads = MedusaHeads(config.hidden_size, config.vocab_size or 0, config.num_heads, config.num_layers,
-                            config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
-                            config.feature_layers, config.draft_layer)
+        heads = MedusaHeads.from_config(config)
     return {name: tensor.shape for name, tensor in heads.state_dict().items()}
 
 
@@ -270,6 +271,19 @@ def check_weights(expected: Mapping[str, torch.Size], state_dict: Mapping[str, t
                  for k, shape in expected.items() if k in state_dict and state_dict[k].shape != shape]
     if problems:
         raise ValueError(f"{source}: {'; '.join(problems[:5])}{'; ...' if len(problems) > 5 else ''}; {fix}")
+
+
+def same_weight(copy: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether `copy` is `expected`; a copy saved in another precision is the same when both agree at the coarser of
+    the two."""
+    if copy.shape != expected.shape:
+        return False
+    coarser = max(copy.dtype, expected.dtype, key=lambda dtype: torch.finfo(dtype).eps)
+    return torch.equal(copy.to(expected.device, coarser), expected.to(coarser))
+
+
+def write_json(file: Path, data: dict) -> None:
+    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def check_token_map(token_map: torch.Tensor, vocab_size: int, source: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from . import autotree, formats, io
+from . import autotree, eagle3, formats, io, verify
 from .base import BaseSpec, inspect_base_model, model_device_dtype
 from .columnwise import PackedWeights
 from .config import MedusaConfig
@@ -68,15 +68,19 @@ class MedusaModel(nn.Module):
             raise TypeError(f"config must be a MedusaConfig, got {type(config).__name__}; for a dict, pass "
                             f"MedusaConfig(**config)")
         _check_sizes(config, spec, source="MedusaConfig")
-        draft_layer = config.draft_layer
+        draft_layer, feature_layers = config.draft_layer, config.feature_layers
+        text_config = base_model.config.get_text_config(decoder=True)
         if config.head_type == "eagle" and draft_layer is None:
-            draft_layer = draft_layer_shape(base_model.config.get_text_config(decoder=True), spec.hidden_size)
+            draft_layer = draft_layer_shape(text_config, spec.hidden_size)
+        if config.head_type == "eagle3":
+            draft_layer = draft_layer or eagle3.default_spec(text_config, spec.hidden_size, spec.vocab_size,
+                                                             config.num_layers)
+            feature_layers = feature_layers or eagle3.default_feature_layers(spec.num_layers or 1)
         config = dataclasses.replace(config, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                                      base_model_name_or_path=config.base_model_name_or_path or spec.name_or_path,
-                                     draft_layer=draft_layer)
-        heads = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
-                            config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
-                            config.feature_layers, config.draft_layer)
+                                     draft_layer=draft_layer, feature_layers=feature_layers)
+        _check_sizes(config, spec, source="MedusaConfig")  # the default feature layers too
+        heads = MedusaHeads.from_config(config)
         heads.init_projections_from(base_model.get_output_embeddings())
         device, dtype = model_device_dtype(base_model)
         heads = heads.to(device=device, dtype=dtype)
@@ -85,8 +89,8 @@ class MedusaModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, base_model: nn.Module, path: str | Path) -> "MedusaModel":
-        """Load heads onto `base_model` from `path`, saved by `save_heads` or in the original Medusa or vLLM
-        format (detected from the files); sizes are checked against the base model.
+        """Load heads onto `base_model` from `path`, saved by `save_heads` or in the original Medusa, vLLM Medusa or
+        speculators EAGLE-3 format (detected from the files); sizes are checked against the base model.
 
         A Medusa-2 LoRA adapter saved beside the heads (lora/) is applied to `base_model` in place, through peft
         (adapter name "medusa2"), replacing one an earlier load applied; another peft adapter in `base_model` is
@@ -96,7 +100,8 @@ class MedusaModel(nn.Module):
         spec = inspect_base_model(base_model)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be the adapter folder (a str or Path), got {type(path).__name__}")
-        config, state_dict = formats.read_heads(path, base_model.get_output_embeddings())
+        config, state_dict = formats.read_heads(path, base_model.get_output_embeddings(),
+                                                base_model.get_input_embeddings())
         _check_sizes(config, spec, source=str(path))
         # Compared by last path component: the same model is "org/name" on a hub and ".../name" on disk.
         if (config.base_model_name_or_path and spec.name_or_path
@@ -186,6 +191,50 @@ class MedusaModel(nn.Module):
         rank_accuracy = self.config.metrics.get("eval", {}).get("rank_accuracy")
         return rank_accuracy[: self.config.num_heads] if rank_accuracy else None
 
+    @torch.no_grad()
+    def teacher_forced_drafts(self, input_ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """What eagle or eagle3 heads draft along a text with its own tokens given: input_ids [S] or [1, S] ->
+        LongTensor [depth, S - 1] of base-vocabulary ids (depth: the heads' levels by default). Row k, column t is
+        the greedy draft at depth k + 1 from the base's states up to t and the tokens up to t + 1 + k, a guess of
+        token t + 2 + k; columns whose path runs past the text read token 0 there, as speculators'
+        Eagle3DraftModel.forward(..., ttt_steps=depth) after its shift_batch (column t pairs token t + 1 with the
+        states at t) does. Offline, the share of row k matching input_ids[k + 2:] measures the draft."""
+        if getattr(self.heads, "draft_layer", None) is None:
+            raise ValueError(f"teacher_forced_drafts needs heads that draft level by level (head_type 'eagle' or "
+                             f"'eagle3'), not {self.config.head_type} heads")
+        ids = input_ids[None] if torch.is_tensor(input_ids) and input_ids.dim() == 1 else input_ids
+        if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2 \
+                or ids.is_floating_point():
+            raise ValueError(f"input_ids must be one text of at least 2 token ids, shape [S] or [1, S], got "
+                             f"{tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__}")
+        depth = self.config.num_heads if depth is None else depth
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+        _check_heads_follow(self.base_model, self.heads)
+        device, dtype = model_device_dtype(self.base_model)
+        ids = ids.to(device)
+        length = ids.shape[1] - 1
+        out = self.base_model(input_ids=ids, output_hidden_states=True, use_cache=False, return_dict=True)
+        states = self.heads.features(verify.base_features(out.hidden_states, self.heads.feature_layers)[:, :-1])
+        # The tokens after each position, then token 0 past the text's end (speculators' padding).
+        after = torch.cat([ids[:, 1:], ids.new_zeros(1, depth - 1)], dim=1)
+        embeds = self.base_model.get_input_embeddings()(after).to(states.dtype)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]
+        positions = torch.arange(length, device=device)[None]
+        heads, lm_head = self.heads, self.base_model.get_output_embeddings()
+        was_training = heads.training
+        heads.eval()
+        try:
+            if heads.head_type == "eagle3":
+                inputs = heads.draft_layer.unroll(states, embeds, causal, positions, depth)
+                logits = heads.project(inputs, lm_head)
+            else:
+                outputs = heads.draft_layer.unroll(states, embeds[:, :length], causal, positions, depth)
+                logits = torch.stack([heads.draft_logits(k, outputs[..., k, :], lm_head) for k in range(depth)], -2)
+        finally:
+            heads.train(was_training)
+        return heads.token_ids(logits.argmax(-1))[0].T.contiguous()  # [depth, S - 1]
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
@@ -251,6 +300,12 @@ class MedusaModel(nn.Module):
 def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:
     layers = config.feature_layers
     if layers and spec.num_layers is not None and max(layers) >= spec.num_layers:
+        if config.head_type == "eagle3":
+            last = (f"; layer {spec.num_layers}, the last layer's output before the final norm as vLLM reads it, is "
+                    f"not supported (transformers gives it after the norm)" if spec.num_layers in layers else "")
+            raise ValueError(f"{source}: the auxiliary layers {layers} (eagle_aux_hidden_state_layer_ids) name layers "
+                             f"this base model cannot give: it has {spec.num_layers} decoder layers, so use 0 (the "
+                             f"embeddings) to {spec.num_layers - 1}{last}")
         raise ValueError(f"{source}: feature_layers {layers} name layers the base model lacks: it has "
                          f"{spec.num_layers} decoder layers, so use 0 (the embeddings) to {spec.num_layers - 1} (the "
                          f"last layer's output is the final state, which the heads read anyway)")
@@ -289,10 +344,12 @@ def _check_heads_match(config: MedusaConfig, heads: MedusaHeads, spec: BaseSpec)
     if config.head_type == "eagle" and config.draft_layer is None:
         raise ValueError("config has head_type 'eagle' but no draft_layer (the draft layer's shape): build the "
                          "model with MedusaModel.from_base(base_model, config), which takes the base model's")
+    if config.head_type == "eagle3" and (config.draft_layer is None or not config.feature_layers):
+        raise ValueError("config has head_type 'eagle3' but no draft_layer or feature_layers: build the model with "
+                         "MedusaModel.from_base(base_model, config), which takes the base model's")
     with torch.device("meta"):  # the shapes config describes, without allocating them
-        described = MedusaHeads(spec.hidden_size, spec.vocab_size, config.num_heads, config.num_layers,
-                                config.share_lm_head, config.head_type, config.draft_vocab_size, config.context_heads,
-                                config.feature_layers, config.draft_layer)
+        described = MedusaHeads.from_config(dataclasses.replace(config, hidden_size=spec.hidden_size,
+                                                                vocab_size=spec.vocab_size))
     want = {name: tuple(t.shape) for name, t in described.state_dict().items()} | _settings(described)
     got = {name: tuple(t.shape) for name, t in heads.state_dict().items()} | _settings(heads)
     if want != got:
@@ -307,7 +364,7 @@ def _check_heads_match(config: MedusaConfig, heads: MedusaHeads, spec: BaseSpec)
 
 def _settings(heads: MedusaHeads) -> dict[str, object]:
     """What the heads compute by that no weight's shape shows (save_heads writes the config's, not these)."""
-    attention = heads.draft_layer.layer.self_attn if heads.draft_layer is not None else None
+    attention = heads.draft_layer.layer.self_attn if getattr(heads.draft_layer, "layer", None) is not None else None
     return {"feature_layers": tuple(heads.feature_layers),
             "context_heads": heads.context.num_heads if heads.context is not None else 0,
             "draft_layer head_dim": attention.head_dim if attention is not None else None}

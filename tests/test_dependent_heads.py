@@ -34,7 +34,8 @@ def one_thread():
 
 
 def random_heads(model, seed=1, scale=0.5, **config):
-    mm = MedusaModel.from_base(model, MedusaConfig(**{"num_heads": 4, **config}))
+    own = {"share_lm_head": False} if config.get("head_type") == "eagle3" else {}  # eagle3's draft owns its LM head
+    mm = MedusaModel.from_base(model, MedusaConfig(**{"num_heads": 4, **own, **config}))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in mm.heads.parameters():
@@ -124,8 +125,8 @@ def test_greedy_identity_with_dependent_heads_that_draft_long_runs(arch):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 # Eagle heads take no context layer: their draft layer attends over the text itself.
 @pytest.mark.parametrize(("head_type", "context_heads"), [("medusa", 0), ("medusa", 2), ("dependent", 0),
-                                                          ("dependent", 2), ("eagle", 0)],
-                         ids=["medusa", "medusa-context", "dependent", "dependent-context", "eagle"])
+                                                          ("dependent", 2), ("eagle", 0), ("eagle3", 0)],
+                         ids=["medusa", "medusa-context", "dependent", "dependent-context", "eagle", "eagle3"])
 @pytest.mark.parametrize("feature_layers", [[], [0, 1]], ids=["", "fused"])
 def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_type, context_heads, feature_layers):
     model = tiny_model(arch)
@@ -139,12 +140,13 @@ def test_greedy_identity_with_random_heads_and_a_reduced_vocabulary(arch, head_t
                            expected)
 
 
-@pytest.mark.parametrize("head_type", ["dependent", "eagle"])
+@pytest.mark.parametrize("head_type", ["dependent", "eagle", "eagle3"])
 @pytest.mark.parametrize("sampling", SETTINGS[1:4], ids=str)
 def test_sampling_with_dependent_heads_and_a_reduced_vocabulary_matches_the_base(sampling, head_type):
     model = tiny_model("llama", vocab_size=6)
     ids = torch.tensor([[3, 5, 4, 1]])
-    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type=head_type, draft_vocab_size=4))
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type=head_type, draft_vocab_size=4,
+                                                   share_lm_head=head_type != "eagle3"))
     mm.heads.set_token_map(torch.tensor([4, 1, 0, 3]), model.get_output_embeddings())
     assert_samples_follow_the_base(mm, ids, sampling)
 

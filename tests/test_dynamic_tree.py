@@ -121,13 +121,15 @@ def test_the_tree_is_what_a_per_row_beam_search_rates_best(nodes, top_k, beam):
             assert torch.allclose(drafted[b, i], outputs[b, path], atol=1e-4), (b, path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_decoding_on_dynamic_trees_is_lossless(arch):
+# Seeds whose random heads draft something the base accepts (asserted below).
+@pytest.mark.parametrize(("arch", "head_type", "seed"), [("llama", "eagle", 1), ("qwen3", "eagle", 1),
+                                                         ("llama", "eagle3", 2), ("gemma3", "eagle3", 9)])
+def test_decoding_on_dynamic_trees_is_lossless(arch, head_type, seed):
     """A left-padded batch of rows of different lengths, each row's greedy text as transformers gives it alone: on
     fixed-size dynamic trees, beside a lookup chain, and with tree=None (one row: step costs measured, the size
     chosen each step)."""
     model = tiny_model(arch)
-    mm = eagle_heads(model, num_heads=3)
+    mm = eagle_heads(model, num_heads=3, head_type=head_type, seed=seed)
     rows = [prompt(seed=6)[0, :10], prompt(seed=7)[0, :5]]
     ids, mask = left_padded(rows)
     new = 24
@@ -150,10 +152,12 @@ def test_decoding_on_dynamic_trees_is_lossless(arch):
     assert set(mm._dynamic_trees) == {(torch.device("cpu"), torch.float32, 1)}
 
 
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
 @pytest.mark.parametrize("sampling", SETTINGS[1:3], ids=str)
-def test_sampling_on_dynamic_trees_matches_the_base(sampling):
+def test_sampling_on_dynamic_trees_matches_the_base(sampling, head_type):
     model = tiny_model("llama", vocab_size=6)
-    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type="eagle", draft_vocab_size=4))
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2, head_type=head_type, draft_vocab_size=4,
+                                                   share_lm_head=head_type != "eagle3"))
     mm.heads.set_token_map(torch.tensor([4, 1, 0, 3]), model.get_output_embeddings())
     assert_samples_follow_the_base(mm, torch.tensor([[3, 5, 4, 1]]), sampling, tree=DynamicTree(5, top_k=2, beam=2))
 

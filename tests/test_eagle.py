@@ -80,8 +80,13 @@ def test_the_training_unroll_is_drafting_one_slot_at_a_time():
                 assert torch.allclose(unrolled[0, t, k], chain[k], atol=1e-5), (t, k)
 
 
-def eagle_heads(model, seed=1, **config):
-    return random_heads(model, seed=seed, scale=0.3, head_type="eagle", **{"num_heads": 4, **config})
+def eagle_heads(model, seed=1, head_type="eagle", **config):
+    """Random eagle heads, or eagle3 heads (EAGLE-3, test_eagle3.py), which draft through the same proposers."""
+    own = {"share_lm_head": False} if head_type == "eagle3" else {}
+    mm = random_heads(model, seed=seed, scale=0.3, head_type=head_type, **{"num_heads": 4, **own, **config})
+    if head_type == "eagle3":  # its LM head the base's rows, as speculators starts it: drafts the base may accept
+        mm.heads.init_projections_from(model.get_output_embeddings())
+    return mm
 
 
 def started(mm, input_ids, attention_mask, root, tree):
@@ -93,12 +98,13 @@ def started(mm, input_ids, attention_mask, root, tree):
     return proposer, hidden
 
 
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
 @pytest.mark.parametrize("draft_vocab_size", [None, 40])
-def test_drafting_gives_each_node_the_layers_choice_after_its_own_path(draft_vocab_size):
+def test_drafting_gives_each_node_the_layers_choice_after_its_own_path(draft_vocab_size, head_type):
     """A left-padded batch; the draft layer's output at every node's slot, and each node's token, against the
     layer run down the node's own path alone, row by row."""
     model = tiny_model("llama")
-    mm = eagle_heads(model, draft_vocab_size=draft_vocab_size)
+    mm = eagle_heads(model, draft_vocab_size=draft_vocab_size, head_type=head_type)
     tree = build_tree(TREE)
     ids, mask = left_padded([prompt(seed=2)[0, :9], prompt(seed=3)[0, :6]])
     root = torch.tensor([5, 17])
@@ -113,7 +119,7 @@ def test_drafting_gives_each_node_the_layers_choice_after_its_own_path(draft_voc
         for b in range(2):
             real = mask[b].bool()
             text = torch.cat([ids[b, real], root[b: b + 1]])
-            states = hidden[b, real]
+            states = mm.heads.features(hidden[b, real])
             positions = torch.arange(len(states))
             tokens = {(): int(root[b])}
 
@@ -147,13 +153,13 @@ class Recording(DraftLayerProposer):
         self.accepted.append([a if active else -1 for a, active in zip(step.host.accept_length, step.host.active)])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_after_every_step_the_cache_holds_what_a_fresh_start_on_the_text_gives(arch):
+@pytest.mark.parametrize(("arch", "head_type"), [("llama", "eagle"), ("qwen3", "eagle"), ("llama", "eagle3")])
+def test_after_every_step_the_cache_holds_what_a_fresh_start_on_the_text_gives(arch, head_type):
     """Rows of different lengths accept runs of different lengths (a lookup chain into the base's own greedy
     text, beside the layer's tree); after every step, each row's root output equals that of a proposer started
     on the row's text so far: the kept slots are the true ones, and the drafted ones are gone."""
     model = tiny_model(arch)
-    mm = eagle_heads(model)
+    mm = eagle_heads(model, head_type=head_type)
     rows = [prompt(seed=4)[0, :8], prompt(seed=5)[0, :5]]
     ids, mask = left_padded(rows)
     new = 24
@@ -220,7 +226,7 @@ def test_eagle_heads_round_trip_and_other_formats_refuse_them(tmp_path):
 
 
 def test_bad_eagle_settings_are_named(tmp_path):
-    with pytest.raises(ValueError, match="draft_layer is for head_type 'eagle' only"):
+    with pytest.raises(ValueError, match="draft_layer is for head_type 'eagle' and 'eagle3' only"):
         MedusaConfig(head_type="dependent", draft_layer={"num_attention_heads": 2, "intermediate_size": 8})
     with pytest.raises(ValueError, match="no context layer"):
         MedusaConfig(head_type="eagle", context_heads=2)
