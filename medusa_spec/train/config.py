@@ -20,15 +20,19 @@ class TrainConfig:
     mode: str = option("medusa1", "medusa1: frozen base, heads only; medusa2: LoRA on the base too",
                        choices=("medusa1", "medusa2"))
     num_heads: int | None = head_option(4, "number of heads (head k predicts the token k + 2 ahead; with "
-                                        "--init-heads: more than theirs adds heads, each starting as their last)")
+                                        "--init-heads: more than theirs adds heads, each starting as their last); "
+                                        "eagle3: the levels drafted and trained (speculators' TTT steps)")
     num_layers: int | None = head_option(1, "residual blocks per head (with --init-heads: more than theirs adds "
-                                         "blocks after theirs, starting at zero)")
+                                         "blocks after theirs, starting at zero); eagle3: the draft's decoder "
+                                         "layers")
     share_lm_head: bool | None = head_option(True, "project through the base LM head (no per-head vocabulary "
                                              "matrix)")
     head_type: str | None = head_option("medusa", "medusa: heads read the hidden state; dependent (Hydra-style): "
                                         "also the embeddings of the tokens on the path before their guess; eagle: a "
                                         "draft layer (one decoder layer with its own cache) drafts level by level on "
-                                        "its own outputs, trained unrolled as it drafts", choices=HEAD_TYPES)
+                                        "its own outputs, trained unrolled as it drafts; eagle3: EAGLE-3 as vLLM's "
+                                        "speculators defines it (vLLM and SGLang serve it: convert --to "
+                                        "speculators), trained so too", choices=HEAD_TYPES)
     context_heads: int | None = head_option(0, "attention heads of a context layer the heads read through "
                                             "(attention over the text so far, with each position's next token; "
                                             "e.g. hidden_size / 64); 0: none")
@@ -36,7 +40,8 @@ class TrainConfig:
                                                    "hidden states the heads read beside the final one, through a "
                                                    "learned projection (EAGLE-3's feature fusion; e.g. a low and a "
                                                    "middle layer: 8 16 of 30); with --init-heads whose heads fuse "
-                                                   "none, they take it on, starting as they were")
+                                                   "none, they take it on, starting as they were; eagle3 reads these "
+                                                   "alone (default: speculators' 2, N/2, N-3 of N layers)")
     draft_layer_mlp: int | None = option(None, "eagle heads: the draft layer's MLP width (a narrower one drafts "
                                          "faster on CPUs); default: the base model's")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
@@ -106,6 +111,8 @@ class TrainConfig:
         return self.output
 
     def __post_init__(self):
+        if self.head_type == "eagle3" and self.share_lm_head is None:
+            self.share_lm_head = False  # the draft owns its LM head (speculators' lm_head)
         if self.init_heads is None:  # new heads: the head flags left out take their defaults
             for name, default in head_defaults(type(self)).items():
                 if getattr(self, name) is None:

@@ -135,7 +135,9 @@ def train(cfg: TrainConfig) -> dict:
         sizes = sorted({cfg.draft_vocab, *(s for s in (1024, 2048, 4096, 8192, 16384) if s < spec.vocab_size)})
         vocab_summary = {"draft_vocab": {"size": cfg.draft_vocab, "coverage": coverage(counts, sizes)}}
     base_model.requires_grad_(False)
-    groups = [{"params": list(heads.parameters()), "lr": cfg.lr}]
+    if heads.head_type == "eagle3":
+        heads.draft_layer.lm_head.requires_grad_(False)  # the base's rows, frozen as speculators keeps them
+    groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.lr}]
     schedules = [lambda s: cosine_with_warmup(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)]
     if medusa2:
         targets = cfg.lora_target_modules
@@ -291,6 +293,9 @@ def continued_heads(base_model, cfg: TrainConfig, say=print) -> tuple[MedusaMode
         grow["num_layers"] = cfg.num_layers
     if cfg.num_heads is not None and cfg.num_heads > config.num_heads:
         grow["num_heads"] = cfg.num_heads
+    if config.head_type == "eagle3" and grow.keys() - {"num_heads"}:
+        raise ValueError(f"--init-heads {path}: eagle3 heads grow by levels only (--num-heads; their draft then runs "
+                         f"one more step); --num-layers and --feature-layers would change their draft's weights")
     for name, value in theirs.items():
         given = getattr(cfg, name)  # None: left out (TrainConfig's head flags stay None with --init-heads)
         if name not in grow and given is not None and given != value:
