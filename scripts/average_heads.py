@@ -1,12 +1,12 @@
 """The mean of the weights of adapters along one line of runs: checkpoint averaging (a "soup" of the adapters that
 `medusa-spec train --init-heads` wrote, each run starting from the last one's heads).
 
-Each such run fits the conversations it reads and lets go of some of the older ones (the heads card, "Run 17"); the
-mean of the last few adapters keeps more of each. Every adapter must have the same settings (config) and draft
-vocabulary; Medusa-2 adapters (with a LoRA adapter of the base) are refused. The output is an adapter folder as train
-writes one: the averaged weights; the last adapter's config without its measured accuracies (they were the last
-adapter's, not the mean's; metrics.mean_of lists the sha256 of each adapter's weights); a trained_conversations.txt
-listing every conversation any of them learned from.
+Each such run fits the conversations it reads and lets go of some of the older ones
+(experiments/2026-12-smollm2-135m-instruct/NOTES.md, "Run 17"); the mean of the last few adapters keeps more of each.
+Every adapter must have the same settings (config) and draft vocabulary; Medusa-2 adapters (with a LoRA adapter of the
+base) are refused. The output is an adapter folder as train writes one: the averaged weights; the last adapter's
+config without its measured accuracies (they were the last adapter's, not the mean's; metrics.mean_of lists the
+sha256 of each adapter's weights); a trained_conversations.txt listing every conversation any of them learned from.
 Measure the mean's accuracies and store its tree before decoding with it, on conversations none of them learned:
 
     python scripts/average_heads.py --heads runs/run14 runs/run15 runs/run16 runs/run17 --output runs/avg14-17

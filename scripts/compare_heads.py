@@ -76,7 +76,7 @@ def summary(metrics: dict, ranks: int) -> dict:
     return {"positions": metrics["positions"][0], "top1": metrics["top1"], f"top{ranks}": metrics[f"top{ranks}"],
             **{f"expected_{n}_nodes": round(expected_tokens_per_step(grow_tree(accuracy, n), accuracy), 3)
                for n in (4, 8)},
-            "rank_accuracy": accuracy}  # for trees of other sizes (scripts/scaling.py --scores)
+            "rank_accuracy": accuracy}  # for trees of other sizes (experiments/.../scripts/scaling.py --scores)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,8 +7,9 @@ token included) occurred earlier in the conversation, prompt included, and the t
 occurrence is the target.
 Per category: the share of copy positions, and head 0's top-1 at copy positions and elsewhere.
 
-    python scripts/copy_positions.py --heads heads/smollm2-135m-instruct \\
-        --prompts medusa_spec/data/other_tasks_question.jsonl --answers heads/smollm2-135m-instruct/answers-other.jsonl
+    E=experiments/2026-12-smollm2-135m-instruct
+    PYTHONPATH=scripts python $E/scripts/copy_positions.py --heads heads/smollm2-135m-instruct \\
+        --prompts medusa_spec/data/other_tasks_question.jsonl --answers $E/answers-other.jsonl
 """
 
 from __future__ import annotations

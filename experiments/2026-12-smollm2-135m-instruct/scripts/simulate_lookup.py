@@ -90,8 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default=str(default_model.shipped_heads()))
     parser.add_argument("--data", default="training/data/smollm2-135m-instruct")
-    parser.add_argument("--answers", nargs="+", default=["heads/smollm2-135m-instruct/answers-mt.jsonl",
-                                                         "heads/smollm2-135m-instruct/answers-other.jsonl"])
+    parser.add_argument("--answers", nargs="+", default=["experiments/2026-12-smollm2-135m-instruct/answers-mt.jsonl",
+                                                         "experiments/2026-12-smollm2-135m-instruct/answers-other.jsonl"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--min-match", type=int, default=5)
     parser.add_argument("--min-share", type=float, default=0.6)

@@ -92,8 +92,8 @@ def accepted_length(tree: MedusaTree, node_tokens: torch.Tensor, following: list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default=str(default_model.shipped_heads()))
-    parser.add_argument("--answers", nargs="+", default=["heads/smollm2-135m-instruct/answers-mt.jsonl",
-                                                         "heads/smollm2-135m-instruct/answers-other.jsonl"])
+    parser.add_argument("--answers", nargs="+", default=["experiments/2026-12-smollm2-135m-instruct/answers-mt.jsonl",
+                                                         "experiments/2026-12-smollm2-135m-instruct/answers-other.jsonl"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--top-k", type=int, default=4)

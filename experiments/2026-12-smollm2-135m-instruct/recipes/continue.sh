@@ -13,7 +13,7 @@
 # (Its first run, before --exclude existed, sampled all conversations: 664 of its 2,400 were train.sh's too.)
 # Usage: bash continue.sh [HEADS] [DATA] [RUN_DIR]
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)  # moved to experiments/ on 2026-12-06
 HEADS=${1:-$ROOT/heads/smollm2-135m-instruct}
 DATA=${2:-$ROOT/training/data/smollm2-135m-instruct}
 RUN=${3:-runs/smollm2-dependent-continued}

@@ -8,7 +8,7 @@
 # HEAD_TYPE=medusa trains the plain-heads comparison, DRAFT_VOCAB=full the full-vocabulary one.
 # Usage: bash train.sh [DATA] [RUN_DIR]
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)  # moved to experiments/ on 2026-12-06
 DATA=${1:-$ROOT/training/data/smollm2-135m-instruct}
 RUN=${2:-runs/smollm2-dependent}
 MODEL=$(python -c "from medusa_spec import default_model; print(default_model.prepare())")
