@@ -274,3 +274,34 @@ def test_measured_dynamic_steps_time_the_dynamic_drafting(monkeypatch):
     latency, drafting = autotree.measure_step_costs(mm, sizes=(1, 3, 5), context=16, repeats=2, dynamic=True)
     assert set(latency) == set(drafting) == {1, 3, 5} and all(s > 0 for s in drafting.values())
     assert sorted(set(proposed)) == [1, 3, 5] and len(proposed) == 3 * (1 + 2)  # a warm-up, then each repeat
+
+
+def test_nan_draft_scores_rank_last_and_every_node_keeps_its_parent(monkeypatch):
+    """Draft logits with NaN under every beam slot but the best (an overflow in a bf16 draft, say): their candidates
+    rank last, as if improbable, so no child is chosen without its parent (one would hang off the root, and its
+    root token be emitted twice if accepted), and decoding stays lossless."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=3)
+    draft_logits = type(mm.heads).draft_logits
+
+    def nan_below_the_best_slot(heads, k, outputs, lm_head):
+        logits = draft_logits(heads, k, outputs, lm_head)
+        return torch.cat([logits[:, :1], torch.full_like(logits[:, 1:], float("nan"))], dim=1) if k else logits
+
+    trees, propose = [], DynamicDraftLayerProposer.propose
+
+    def recording(proposer, root):
+        candidates = propose(proposer, root)
+        trees.append(candidates.tree)
+        return candidates
+
+    monkeypatch.setattr(type(mm.heads), "draft_logits", nan_below_the_best_slot)
+    monkeypatch.setattr(DynamicDraftLayerProposer, "propose", recording)
+    ids = prompt(seed=6)[:, :10]
+    expected = reference_generate(model, ids, max_new_tokens=16, eos_token_id=None)
+    out = mm.generate(ids, max_new_tokens=16, eos_token_id=[], tree=DynamicTree(6, top_k=2, beam=2))
+    assert torch.equal(out.sequences, expected)
+    assert any(int(tree.depth.max()) >= 2 for tree in trees)  # the best slot's children were drafted and chosen
+    for tree in trees:
+        parent, depth = tree.parent[1:], tree.depth[1:]
+        assert bool((tree.depth[parent] == depth - 1).all()), (tree.parent.tolist(), tree.depth.tolist())
