@@ -1,5 +1,7 @@
 """What an installed package needs at run time ships inside it: the default heads, the benchmark prompts."""
 
+import hashlib
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,20 @@ def test_bench_defaults_to_the_shipped_mt_bench():
     prompts = bench.read_eval_prompts(args.prompts, per_category=1)
     assert len(prompts) == 8 and len({category for category, _ in prompts}) == 8
     assert "Apache-2.0" in (bench.MT_BENCH.parent / "SOURCE.md").read_text()
+    assert (bench.MT_BENCH.parent / "NOTICE").is_file()  # each eval dataset's licence and attribution, in the wheel
+
+
+def test_one_copy_of_each_adapter():
+    # git keeps every version of a binary file forever, so weights committed twice cost every clone twice: an adapter
+    # lives in one folder (heads/ for the shipped ones), and runs that train on it read it from there.
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "*.safetensors", "*.pt", "*.bin"], cwd=ROOT,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: no tracked files to compare")
+    by_digest = {}
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            by_digest.setdefault(hashlib.sha256((ROOT / name).read_bytes()).hexdigest(), []).append(name)
+    twice = [names for names in by_digest.values() if len(names) > 1]
+    assert not twice, f"the same weights are tracked more than once: {twice}; keep one copy"
