@@ -67,13 +67,22 @@ class PackedWeights:
 the machine's memory stays available.
 
     A weight packed earlier is used only while it is the same tensor with the same values: `get` compares its
-    product with a fixed random vector (one row's product: 20 ms for the whole model, at each generate call)
-    against the one taken at packing, since an edit through `.data` (peft's merge_adapter) leaves the version
-    counter as it was. A weight that changed is packed again; one that is gone drops its pack."""
+    version counter and storage address with those at packing, which any edit through the tensor changes (an
+    optimiser step, copy_, an in-place op under no_grad, however small the change); and, since an edit through
+    `.data` (peft's merge_adapter) leaves both as they were, its product with a fixed random vector (one row's
+    product: 20 ms for the whole model, at each generate call) against the one taken at packing. A weight that
+    changed is packed again; one that is gone drops its pack. A cache: a pickled or copied PackedWeights is empty."""
 
     def __init__(self):
-        self.packs: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}  # id -> (weight, check, pack)
+        # id -> (weight, (version, storage address), check, pack)
+        self.packs: dict[int, tuple[weakref.ref, tuple[int | None, int], torch.Tensor, torch.Tensor]] = {}
         self.probes: dict[int, torch.Tensor] = {}  # in_features -> the fixed random vector
+
+    def __getstate__(self) -> dict:
+        return {}  # weak references and oneDNN's opaque packs pickle as nothing; the copy packs its own
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """`weight` [out, in] packed (None where linear would not use a pack: no oneDNN, not fp32 on CPU)."""
@@ -84,18 +93,28 @@ the machine's memory stays available.
         if columns not in self.probes:  # its own generator: the caller's random stream stays as it was
             self.probes[columns] = torch.randn(1, columns, generator=torch.Generator().manual_seed(columns))
         check = ONEDNN_LINEAR(self.probes[columns], plain, None, "none", [], "")
-        key = id(weight)
+        key, stamp = id(weight), _stamp(weight)
         if key in self.packs:
-            ref, known, pack = self.packs[key]
-            if ref() is weight and torch.equal(known, check):
+            ref, known_stamp, known, pack = self.packs[key]
+            if ref() is weight and known_stamp == stamp and torch.equal(known, check):
                 return pack
         if not _room_for(plain.nbytes):
             return None
         # Packed for 8 rows: faster than for one at every row count measured (1-128); from 2 rows on, its products
         # are bit-identical to the plain weight's, one row's round differently (as any two kernels may).
         pack = ONEDNN_PACK(plain, 8)
-        self.packs[key] = (weakref.ref(weight, lambda _, packs=self.packs, key=key: packs.pop(key, None)), check, pack)
+        self.packs[key] = (weakref.ref(weight, lambda _, packs=self.packs, key=key: packs.pop(key, None)), stamp, check,
+                           pack)
         return pack
+
+
+def _stamp(weight: torch.Tensor) -> tuple[int | None, int]:
+    """(version counter, storage address) of `weight`; an inference tensor keeps no version counter (None)."""
+    try:
+        version = weight._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        version = None
+    return version, weight.data_ptr()
 
 
 def _room_for(nbytes: int) -> bool:

@@ -1,6 +1,9 @@
 """Linear layers by the fastest CPU kernel (column-wise, oneDNN): the same products as nn.Linear, only where they
 are faster, and only in a columnwise_copy (see test_model_untouched for other threads)."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -318,3 +321,48 @@ def test_heads_draft_from_packs_of_their_layers_and_draft_vocabulary_on_the_copy
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert torch.equal(out.sequences, expected)
+
+
+@needs_onednn
+def test_an_in_place_edit_the_probe_product_cannot_see_is_packed_again(monkeypatch):
+    """One entry of a weight moved by one ulp, where the probe's product (one row against a fixed random vector) rounds
+    to what it was: the next generate packs that weight again, and its pack gives the edited entry."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    ids = torch.randint(3, VOCAB, (1, 6))
+    tree = [[0], [1], [0, 0]]
+    mm.generate(ids, max_new_tokens=4, eos_token_id=[], tree=tree)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    packs = mm._packed_weights
+    probe = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(weight.shape[1]))
+    seen = columnwise.ONEDNN_LINEAR(probe, weight.detach(), None, "none", [], "")
+    edited = weight.detach().clone()
+    for i, j in zip(*torch.randperm(edited.numel()).reshape(2, -1)):  # entries, in a fixed random order
+        i, j = int(i) % edited.shape[0], int(j) % edited.shape[1]
+        edited[i, j] = torch.nextafter(weight[i, j], torch.tensor(float("inf")))
+        if torch.equal(columnwise.ONEDNN_LINEAR(probe, edited, None, "none", [], ""), seen):
+            break
+        edited[i, j] = weight[i, j]
+    else:
+        pytest.fail("no one-ulp edit the probe cannot see")
+    repacked = []
+    pack_op = columnwise.ONEDNN_PACK
+    monkeypatch.setattr(columnwise, "ONEDNN_PACK", lambda w, rows: repacked.append(w.data_ptr()) or pack_op(w, rows))
+    with torch.no_grad():
+        weight[i, j] = edited[i, j]
+    mm.generate(ids, max_new_tokens=4, eos_token_id=[], tree=tree)
+    assert repacked == [weight.data_ptr()]
+    column = torch.zeros(2, weight.shape[1])
+    column[:, j] = 1.0  # two rows: a pack's product is then bit-identical to the plain weight's
+    assert torch.equal(columnwise.ONEDNN_LINEAR(column, packs.get(weight), None, "none", [], "")[0], edited[:, j])
+
+
+def test_a_medusa_model_pickles_and_copies_after_a_call():
+    """The packed weights are a cache: a pickled or deep-copied MedusaModel leaves them behind and packs its own."""
+    model = tiny_model("llama")
+    mm = MedusaModel.from_base(model, MedusaConfig(num_heads=2))
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = mm.generate(ids, max_new_tokens=6, eos_token_id=[], tree=[[0], [1]]).sequences
+    for again in (pickle.loads(pickle.dumps(mm)), copy.deepcopy(mm)):
+        assert torch.equal(again.generate(ids, max_new_tokens=6, eos_token_id=[], tree=[[0], [1]]).sequences, out)
