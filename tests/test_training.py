@@ -1428,3 +1428,14 @@ def test_distill_server_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="--self-prompts and --follow-ups need"):
         distill_via_server([], DistillConfig(model=None, prompts=[], output="x", server="http://h", follow_ups=0.5),
                            progress=False)
+
+
+def test_heads_trained_on_the_default_model_name_it_as_the_hub_does(base_dir, conversations, tmp_path, monkeypatch):
+    """Without --model, train loads the default model from a local cache folder; the adapter names the model by its
+    Hub name, not that machine's path."""
+    from medusa_spec import default_model
+
+    monkeypatch.setattr(default_model, "prepare", lambda: Path(base_dir))
+    train(small_run(None, conversations, tmp_path, model=None, max_steps=1, eval_examples=2))
+    config = json.loads((tmp_path / "medusa_config.json").read_text())
+    assert config["base_model_name_or_path"] == default_model.HUB_NAME

@@ -49,6 +49,9 @@ from .store import recorded_model, recorded_model_differences
 
 def train(cfg: TrainConfig) -> dict:
     """Train, checkpoint, evaluate, and save the adapter into cfg.output; returns a summary."""
+    # New heads name their base model as the Hub does where it is the default model: transformers names a loaded model
+    # by its folder, here a local cache path that would mean nothing on another machine.
+    base_name = default_model.HUB_NAME if cfg.model is None else None
     if cfg.model is None:  # as every command reads --model: the default model
         cfg = dataclasses.replace(cfg, model=str(default_model.prepare()))
     medusa2 = cfg.mode == "medusa2"
@@ -117,7 +120,7 @@ def train(cfg: TrainConfig) -> dict:
         medusa = MedusaModel.from_base(base_model, MedusaConfig(
             num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
             head_type=cfg.head_type, draft_vocab_size=cfg.draft_vocab, context_heads=cfg.context_heads,
-            feature_layers=cfg.feature_layers, draft_layer=draft_layer))
+            feature_layers=cfg.feature_layers, draft_layer=draft_layer, base_model_name_or_path=base_name))
     # What a head ranks (with --init-heads, known once their draft vocabulary is read); checked now, not after
     # the training.
     guesses = cfg.draft_vocab or spec.vocab_size
