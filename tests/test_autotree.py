@@ -1,9 +1,11 @@
 """--tree auto: the tree with the most expected tokens per second for measured costs and accuracies."""
 
+import time
+
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, model, propose
+from medusa_spec import MedusaConfig, MedusaModel, autotree, model, propose
 from medusa_spec.autotree import choose_tree, expected_tokens_per_step
 from medusa_spec.context import ContextLayer
 from tiny_models import tiny_model
@@ -27,11 +29,34 @@ def test_choose_tree_trades_acceptance_against_measured_latency():
     assert tree == [[0]] and {row["nodes"] for row in table} == {1, 2, 3, 4, 5}
 
 
-def test_auto_tree_measures_this_machine():
+def fake_clock(monkeypatch) -> list[float]:
+    """time.perf_counter reads [seconds], which only the test moves: timings then come out exact."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    return clock
+
+
+def verify_a_millisecond_a_node(monkeypatch, clock: list[float]) -> None:
+    forward_block = autotree.forward_block
+
+    def verify(model, spec, node_tokens, *args, **kwargs):
+        clock[0] += 0.001 * node_tokens.shape[1]
+        return forward_block(model, spec, node_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(autotree, "forward_block", verify)
+
+
+def test_auto_tree_measures_this_machine(monkeypatch):
+    """The table's verify times are what the clock says the verify passes took: on a clock that only a verify pass
+    moves, a millisecond a node, each size's verify_ms is its node count and no drafting is charged."""
     mm = MedusaModel.from_base(tiny_model("llama"),
                                MedusaConfig(num_heads=2, metrics={"eval": {"rank_accuracy": ACCURACY}}))
+    verify_a_millisecond_a_node(monkeypatch, fake_clock(monkeypatch))
     tree, table = mm.auto_tree(context=32)
-    assert all(row["step_ms"] > 0 for row in table)
+    monkeypatch.undo()
+    for row in table:
+        assert row["verify_ms"] == pytest.approx(row["nodes"]) and row["draft_ms"] == 0, row
+        assert row["step_ms"] == pytest.approx(row["nodes"]), row
     # The CLI's --tree auto and tree=None time the same short grid (2 s for SmolLM2-135M, not 8.6 s).
     # (A size larger than the accuracies' 7 candidates gives the 7-node tree.)
     assert {row["nodes"] for row in table} == {1, 2, 4, 7} == {min(n, 7) for n in model.AUTO_SIZES}
@@ -43,17 +68,26 @@ def test_auto_tree_measures_this_machine():
 
 
 def test_auto_tree_counts_the_context_layers_step_in_the_drafting_cost(monkeypatch):
+    """On a clock that the context layer's step moves a second and the verify pass a millisecond a node, each drafted
+    tree's draft_ms is that second: the step over the slots a step kept is charged to drafting."""
     mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2, head_type="dependent", context_heads=2,
                                                                  metrics={"eval": {"rank_accuracy": ACCURACY}}))
     steps = []
-    extend = ContextLayer.extend
-    monkeypatch.setattr(ContextLayer, "extend",
-                        lambda self, cache, *args: steps.append(cache) or extend(self, cache, *args))
+    clock, extend = fake_clock(monkeypatch), ContextLayer.extend
+    verify_a_millisecond_a_node(monkeypatch, clock)
+
+    def a_second_a_step(self, cache, *args):
+        steps.append(cache)
+        clock[0] += cache is not None
+        return extend(self, cache, *args)
+
+    monkeypatch.setattr(ContextLayer, "extend", a_second_a_step)
     _, table = mm.auto_tree(context=32)
+    monkeypatch.undo()
     # Each tree's proposer takes the prompt (no cache yet); every timed step then extends the prompt's 32 slots.
     timed = [cache for cache in steps if cache is not None]
     assert steps[0] is None and timed and all(cache.keys.shape[2] == 32 for cache in timed)
-    assert all(row["draft_ms"] > 0 for row in table if row["nodes"] > 1)
+    assert all(row["draft_ms"] == pytest.approx(1000.0) for row in table if row["nodes"] > 1), table
 
 
 def test_auto_tree_times_the_trees_its_accuracies_grow(monkeypatch):

@@ -56,7 +56,8 @@ def test_bench_reports_each_stage_of_a_step(tmp_path):
         assert list(stages) == ["propose", "verify", "accept", "commit"]
         assert sum(s["ms_per_step"] for s in stages.values()) == pytest.approx(figures["step_ms"], abs=0.01)
         assert sum(s["share"] for s in stages.values()) == pytest.approx(1.0, abs=0.01)
-        assert figures["prefill_ms"] > 0
+        prefills = [r["stage_seconds"]["prefill"] for r in records if r["method"] == method]
+        assert figures["prefill_ms"] == pytest.approx(1000 * sum(prefills) / len(prefills), abs=0.01)  # per prompt
     table = (tmp_path / "bench.md").read_text()
     assert "| method | step ms | tree nodes | propose | verify | accept | commit | prefill ms |" in table
     assert "| medusa_greedy | " in table and "| medusa_greedy | - |" not in table  # a fixed tree: no sizes
@@ -64,11 +65,8 @@ def test_bench_reports_each_stage_of_a_step(tmp_path):
     assert all(f"| {method} | " in table.split("Where a step's time goes")[1] for method in TIMED)
 
 
-def test_every_forward_pass_of_a_generation_is_charged_to_a_stage(monkeypatch):
-    """The laps follow each other from before prefill to the last commit, so the model's work is all inside them;
-    only argument checks, set-up and the output fall outside. On a clock that only the decoder layers move (one
-    second a call), the stages add up to the generation's time exactly. (On the real clock that set-up is a few ms,
-    which a busy machine stretches past any fixed share of a tiny model's decode.)"""
+def layers_move_the_clock(monkeypatch) -> None:
+    """time.perf_counter stands still but for the decoder layers: a second each call."""
     clock = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     layer_forward = LlamaDecoderLayer.forward
@@ -78,6 +76,14 @@ def test_every_forward_pass_of_a_generation_is_charged_to_a_stage(monkeypatch):
         return layer_forward(self, *args, **kwargs)
 
     monkeypatch.setattr(LlamaDecoderLayer, "forward", costly)
+
+
+def test_every_forward_pass_of_a_generation_is_charged_to_a_stage(monkeypatch):
+    """The laps follow each other from before prefill to the last commit, so the model's work is all inside them;
+    only argument checks, set-up and the output fall outside. On a clock that only the decoder layers move (one
+    second a call), the stages add up to the generation's time exactly. (On the real clock that set-up is a few ms,
+    which a busy machine stretches past any fixed share of a tiny model's decode.)"""
+    layers_move_the_clock(monkeypatch)
     mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
     methods = ("hf_greedy", *TIMED)
     records = bench.bench(mm, word_tokenizer(), [("a", "w5 w6 w7 w5 w6")], max_new_tokens=24, tree=TREE,
@@ -132,12 +138,20 @@ def test_decoding_without_a_timer_takes_no_laps_and_gives_the_same_tokens(monkey
     assert synced == []  # on CPU the ops are done when they return: nothing to wait for
 
 
-def test_a_timer_adds_up_over_calls():
+def test_a_timer_adds_up_over_calls(monkeypatch):
+    """One timer over two calls holds, stage by stage, the sum of two timers of one call each (on a clock that only
+    the decoder layers move, so the calls' times are exact)."""
+    layers_move_the_clock(monkeypatch)
     mm = MedusaModel.from_base(tiny_model("llama"), MedusaConfig(num_heads=2))
-    timer = StepTimer()
-    steps = sum(mm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, eos_token_id=[], tree=TREE,
-                            timer=timer).stats.steps - 1 for _ in range(2))
-    assert timer.steps == steps and timer.seconds["prefill"] > 0
+    ids = torch.tensor([[5, 6, 7]])
+    each, both = [StepTimer(), StepTimer()], StepTimer()
+    steps = sum(mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=TREE, timer=timer).stats.steps - 1
+                for timer in each)
+    for _ in each:
+        mm.generate(ids, max_new_tokens=8, eos_token_id=[], tree=TREE, timer=both)
+    assert both.steps == steps == sum(timer.steps for timer in each)
+    assert both.seconds == {stage: sum(timer.seconds[stage] for timer in each) for stage in StepTimer.STAGES}
+    assert both.seconds["verify"] == 2 * steps  # a pass through the 2 layers each step
 
 
 def test_an_adapting_tree_reports_the_mean_size_it_ran_weighted_by_steps(tmp_path, monkeypatch):

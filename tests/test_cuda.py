@@ -1,7 +1,8 @@
 """The CUDA path, on tiny models (marked `cuda`: skipped without a CUDA device; scripts/gpu_check.py runs them):
 greedy output equals transformers' on the GPU for every architecture, with heads that miss and heads that propose
 long runs, in batches, with the draft model and the lookup chain, eagle heads on dynamic trees; one verify pass
-gives each node its sequential logits in fp32 and bf16; no column-wise copy is made there; seeded sampling repeats."""
+gives each node its sequential logits in fp32 and bf16; no column-wise copy is made there; seeded sampling draws
+what transformers' does."""
 
 import pytest
 import torch
@@ -139,12 +140,21 @@ def test_no_columnwise_copy_is_made_on_cuda(monkeypatch):
     assert copied == [False]
 
 
-def test_seeded_sampling_repeats_on_cuda():
-    mm = medusa(on_cuda("llama"), share_lm_head=False)
+def test_seeded_sampling_on_cuda_draws_what_transformers_draws():
+    """Speculation off, each token is one draw from the whole vocabulary, as transformers' sampling loop draws it: the
+    same seed gives transformers' own sample. With a tree the generator is drawn once per node, so the text is
+    another exact sample: the same seed repeats it, another seed changes it."""
+    model = tiny_model("llama", lm_head_scale=1.0).to(CUDA)  # unsharpened logits: draws that differ by seed
+    mm = medusa(model, share_lm_head=False)
     ids = prompt().to(CUDA)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(7)
-        runs.append(mm.generate(ids, max_new_tokens=30, do_sample=True, temperature=1.0, top_k=20, eos_token_id=[],
-                                tree=TREE).sequences)
-    assert torch.equal(runs[0], runs[1]) and int(runs[0].max()) < VOCAB
+    options = dict(max_new_tokens=30, do_sample=True, temperature=1.0, top_k=0)
+    torch.manual_seed(7)
+    ours = mm.generate(ids, eos_token_id=[], tree=[], **options).sequences
+    torch.manual_seed(7)
+    with torch.no_grad():
+        assert torch.equal(ours, model.generate(ids, eos_token_id=None, **options))
+    runs = {}
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.setdefault(seed, []).append(mm.generate(ids, eos_token_id=[], tree=TREE, **options).sequences)
+    assert torch.equal(*runs[7]) and not torch.equal(runs[7][0], runs[8][0]) and int(runs[7][0].max()) < VOCAB

@@ -19,7 +19,7 @@ from medusa_spec.base import cache_argument
 from medusa_spec.train.data import read_conversations
 from medusa_spec.train.engine import GREEDY, Request, decode_stream
 from medusa_spec.train.store import ConversationStore, read_records
-from test_sampling import SETTINGS, chi_square_p_value
+from test_sampling import SETTINGS, chi_square_p_value, transformers_probs
 from tiny_models import ARCHITECTURES, tiny_model
 
 EOS = 2
@@ -320,8 +320,8 @@ def test_a_sampled_answer_does_not_depend_on_its_row_or_what_ran_beside_it():
 @pytest.mark.parametrize("sampling", SETTINGS, ids=str)
 def test_rows_sample_the_processed_distribution(sampling):
     """Each row inverts the distribution's CDF at its own uniform draw: counts over many rows follow
-    processed_probs (chi-square), filtered tokens never come out, not even at a draw of 0 or just below 1."""
-    from medusa_spec.accept import processed_probs
+    transformers' processed distribution (chi-square), filtered tokens never come out, not even at a draw of 0 or
+    just below 1."""
     from medusa_spec.train.engine import _pick
 
     logits = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2
@@ -329,7 +329,7 @@ def test_rows_sample_the_processed_distribution(sampling):
     uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(4), dtype=torch.float64).tolist()
     uniforms[:2] = [0.0, 1 - 2 ** -53]
     tokens = _pick(logits.expand(rows, -1), [sampling] * rows, uniforms)
-    probs = processed_probs(logits[None], sampling)[0]
+    probs = transformers_probs(logits[None], sampling)[0]
     assert chi_square_p_value(torch.bincount(tokens, minlength=40).double(), probs) > 1e-3
 
 

@@ -4,6 +4,8 @@ decoding through such trees is lossless, and with step costs the size follows th
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -266,13 +268,24 @@ def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
 
 
 def test_measured_dynamic_steps_time_the_dynamic_drafting(monkeypatch):
+    """On a clock that only the dynamic proposer's propose moves (a millisecond a node of its size), each size's
+    drafting time is its node count in milliseconds."""
     mm = eagle_heads(tiny_model("llama"), num_heads=2)
-    proposed = []
+    proposed, clock = [], [0.0]
     propose = DynamicDraftLayerProposer.propose
-    monkeypatch.setattr(DynamicDraftLayerProposer, "propose",
-                        lambda self, root: proposed.append(self.dynamic.nodes) or propose(self, root))
+
+    def timed_propose(self, root):
+        proposed.append(self.dynamic.nodes)
+        clock[0] += 0.001 * self.dynamic.nodes
+        return propose(self, root)
+
+    monkeypatch.setattr(DynamicDraftLayerProposer, "propose", timed_propose)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     latency, drafting = autotree.measure_step_costs(mm, sizes=(1, 3, 5), context=16, repeats=2, dynamic=True)
-    assert set(latency) == set(drafting) == {1, 3, 5} and all(s > 0 for s in drafting.values())
+    monkeypatch.undo()
+    assert set(latency) == set(drafting) == {1, 3, 5}
+    assert drafting == pytest.approx({1: 0.001, 3: 0.003, 5: 0.005})
+    assert latency == {1: 0, 3: 0, 5: 0}  # the clock stood still through the verify passes
     assert sorted(set(proposed)) == [1, 3, 5] and len(proposed) == 3 * (1 + 2)  # a warm-up, then each repeat
 
 

@@ -26,6 +26,7 @@ from medusa_spec.lookup import (
 from medusa_spec.output import GenerationStats
 from medusa_spec.propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult
 from medusa_spec.tree import build_tree, chain_tree
+from test_bench import layers_move_the_clock
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
 from test_sampling import SETTINGS, chi_square_p_value, exact_joint, triple_counts
@@ -108,12 +109,17 @@ def test_draft_batch_of_mixed_lengths_with_eos_equals_per_row_generation():
     assert out.stats.new_tokens[1] == int((free == eos).nonzero()[0]) + 1
 
 
-def test_adaptive_k_reports_its_estimates():
+def test_adaptive_k_reports_its_estimates(monkeypatch):
+    """On a clock that only the decoder layers move (a second a call), the estimates are exact: a draft forward runs
+    the one layer of self_draft(model, 1), a verify pass the base's two."""
     model = tiny_model("llama")
+    layers_move_the_clock(monkeypatch)
     out = generate_with_draft(model, self_draft(model, 1), prompt(seed=5), max_new_tokens=30, eos_token_id=[],
                               max_draft_tokens=5)
+    monkeypatch.undo()
     stats = out.stats
-    assert 0 <= stats.acceptance_rate <= 1 and stats.draft_seconds > 0 and stats.verify_seconds > 0
+    assert stats.draft_seconds == 1.0 and stats.verify_seconds == 2.0
+    assert 0 < stats.acceptance_rate < 1  # drafts both kept and rejected
     assert all(1 <= k <= 5 for k in stats.draft_lengths)
     assert {"acceptance_rate", "draft_seconds", "verify_seconds", "draft_lengths"} <= set(stats.to_dict())
 

@@ -1,6 +1,7 @@
 """Sampling is lossless: the tokens speculative sampling emits are distributed exactly as the
-base model's processed distribution (temperature, top-k, top-p). The same chi-square test is
-shown to reject a plausible wrong rule, so it has the power to catch one."""
+base model's processed distribution (temperature, top-k, top-p), computed with transformers' own
+warpers, not this library's. The same chi-square test is shown to reject a plausible wrong rule, so
+it has the power to catch one."""
 
 import functools
 import itertools
@@ -45,6 +46,11 @@ def transformers_scores(logits, sampling):
     return scores
 
 
+def transformers_probs(logits, sampling):
+    """[N, V] logits -> the distribution transformers' sampling loop draws from with these settings."""
+    return transformers_scores(logits.float(), sampling).softmax(-1)
+
+
 WINDOWED = [Sampling(True, 0.7, top_k=50, top_p=0.9), Sampling(True, 1.3, top_k=5, top_p=0.5),
             Sampling(True, 1.0, top_k=20)]
 
@@ -66,7 +72,7 @@ def test_top_k_window_keeps_what_transformers_keeps(sampling, ties):
 def test_draws_inside_the_top_k_window_follow_the_processed_distribution():
     sampling = Sampling(True, 0.8, top_k=20, top_p=0.95)
     logits = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 2
-    probs = processed_probs(logits, sampling)
+    probs = transformers_probs(logits[None], sampling)[0]
     torch.manual_seed(0)
     drawn = draw_targets(logits.expand(1, 20000, 300), sampling)[0]
     kept = probs > 0
@@ -77,13 +83,14 @@ def test_draws_inside_the_top_k_window_follow_the_processed_distribution():
 
 
 def exact_joint(model, prompt, sampling, new=NEW):
-    """P(t1 .. t_new | prompt) for every token sequence, enumerated with the base model: [V] * new."""
+    """P(t1 .. t_new | prompt) for every token sequence, enumerated with the base model and transformers' warpers:
+    [V] * new."""
     joint = torch.ones(())
     with torch.no_grad():
         for length in range(new):  # every prefix of `length` new tokens -> the next token's distribution
             prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=length)), dtype=torch.long)
             ids = torch.cat([prompt.expand(VOCAB ** length, -1), prefixes.view(VOCAB ** length, length)], 1)
-            probs = processed_probs(model(ids).logits[:, -1], sampling)
+            probs = transformers_probs(model(ids).logits[:, -1], sampling)
             joint = joint[..., None] * probs.view([VOCAB] * (length + 1))
     return joint
 
