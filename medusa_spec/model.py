@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from . import autotree, eagle3, formats, io, verify
 from .base import BaseSpec, inspect_base_model, model_device_dtype
-from .columnwise import PackedWeights
+from .columnwise import PackedWeights, columnwise_copy
 from .config import MedusaConfig
 from .eagle import draft_layer_shape
 from .heads import MedusaHeads
@@ -153,10 +153,8 @@ class MedusaModel(nn.Module):
         (about 2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and
         dtype and the batch size (a batch verifies batch x nodes rows: on CPU it can afford fewer nodes)."""
         device, dtype = model_device_dtype(self.base_model)
-        if (device, dtype, batch) not in self._measured_trees:
-            # The timing passes draw random tokens: a forked generator leaves the caller's seeded draws as they were.
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self._measured_trees[device, dtype, batch] = self.auto_tree(batch=batch)[1]
+        if (device, dtype, batch) not in self._measured_trees:  # timed on tokens of its own generator (autotree)
+            self._measured_trees[device, dtype, batch] = self.auto_tree(batch=batch)[1]
         return self._measured_trees[device, dtype, batch]
 
     def dynamic_tree(self, batch: int = 1) -> DynamicTree:
@@ -165,9 +163,8 @@ class MedusaModel(nn.Module):
         the first call (about 2 s for SmolLM2-135M on a 2-core CPU) and kept as tree_table keeps its table."""
         device, dtype = model_device_dtype(self.base_model)
         if (device, dtype, batch) not in self._dynamic_trees:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self._dynamic_trees[device, dtype, batch] = autotree.dynamic_tree(
-                    self, AUTO_SIZES, AUTO_CONTEXT, AUTO_REPEATS, batch, self._packed_weights)
+            self._dynamic_trees[device, dtype, batch] = autotree.dynamic_tree(
+                self, AUTO_SIZES, AUTO_CONTEXT, AUTO_REPEATS, batch, self._packed_weights)
         return self._dynamic_trees[device, dtype, batch]
 
     def auto_tree(self, context: int = AUTO_CONTEXT, sizes: Sequence[int] = AUTO_SIZES,
@@ -214,25 +211,21 @@ class MedusaModel(nn.Module):
         device, dtype = model_device_dtype(self.base_model)
         ids = ids.to(device)
         length = ids.shape[1] - 1
-        out = self.base_model(input_ids=ids, output_hidden_states=True, use_cache=False, return_dict=True)
-        states = self.heads.features(verify.base_features(out.hidden_states, self.heads.feature_layers)[:, :-1])
+        # Eval-mode copies: the caller's modules keep their mode (another thread may be training them).
+        base, heads = columnwise_copy(self.base_model, eval_mode=True), columnwise_copy(self.heads, eval_mode=True)
+        out = base(input_ids=ids, output_hidden_states=True, use_cache=False, return_dict=True)
+        states = heads.features(verify.base_features(out.hidden_states, heads.feature_layers)[:, :-1])
         # The tokens after each position, then token 0 past the text's end (speculators' padding).
         after = torch.cat([ids[:, 1:], ids.new_zeros(1, depth - 1)], dim=1)
-        embeds = self.base_model.get_input_embeddings()(after).to(states.dtype)
+        embeds = base.get_input_embeddings()(after).to(states.dtype)
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]
         positions = torch.arange(length, device=device)[None]
-        heads, lm_head = self.heads, self.base_model.get_output_embeddings()
-        was_training = heads.training
-        heads.eval()
-        try:
-            if heads.head_type == "eagle3":
-                inputs = heads.draft_layer.unroll(states, embeds, causal, positions, depth)
-                logits = heads.project(inputs, lm_head)
-            else:
-                outputs = heads.draft_layer.unroll(states, embeds[:, :length], causal, positions, depth)
-                logits = torch.stack([heads.draft_logits(k, outputs[..., k, :], lm_head) for k in range(depth)], -2)
-        finally:
-            heads.train(was_training)
+        lm_head = base.get_output_embeddings()
+        if heads.head_type == "eagle3":
+            logits = heads.project(heads.draft_layer.unroll(states, embeds, causal, positions, depth), lm_head)
+        else:
+            outputs = heads.draft_layer.unroll(states, embeds[:, :length], causal, positions, depth)
+            logits = torch.stack([heads.draft_logits(k, outputs[..., k, :], lm_head) for k in range(depth)], -2)
         return heads.token_ids(logits.argmax(-1))[0].T.contiguous()  # [depth, S - 1]
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -264,8 +257,8 @@ class MedusaModel(nn.Module):
         `lookup_tokens` > 0 also verifies a chain of up to that many candidates (its length adapts each step)
         copied from an earlier occurrence of the text's last n-gram in the prompt, the output or `documents`
         (lists of token ids), in the same pass. `timer`: a
-        loop.StepTimer that adds up each decoding stage's time. The heads run in eval mode and are left in
-        the mode they were in.
+        loop.StepTimer that adds up each decoding stage's time. The base model and the heads run in eval mode, through
+        copies: no module's mode is written (another thread may be training them).
         """
         _check_heads_follow(self.base_model, self.heads)
         sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p, generation_config)

@@ -107,7 +107,7 @@ class StepResult:
 
 class Proposer:
     """The contract (a base class with the trivial parts): `modules` the proposer runs, column-wise copies of
-    the caller's (see columnwise; the loop holds them in eval mode, and a model's position limit also caps the
+    the caller's in eval mode (columnwise_copy(..., eval_mode=True); a model's position limit also caps the
     positions), `max_depth` the deepest candidate it may propose, `feature_layers` the base model's layers
     whose hidden states it reads beside the final one (verify.base_features)."""
 
@@ -302,7 +302,10 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
         tokens, values, paths, levels, drafted = [], [], [], [], []
         count = 0  # candidates so far: a candidate's index is its place in the order they were drafted
         for d in range(1, depth + 1):
-            top = heads.draft_logits(d - 1, outputs, lm_head).float().log_softmax(-1).topk(top_k, dim=-1)
+            logp = heads.draft_logits(d - 1, outputs, lm_head).float().log_softmax(-1)
+            # A NaN (overflowing draft logits) as -inf: it ranks last, where torch's sorts put it first, and the
+            # minimum with the parent's value below would keep it, so a child could be chosen without its parent.
+            top = logp.masked_fill(logp.isnan(), float("-inf")).topk(top_k, dim=-1)
             logp = (beam_logp[:, :, None] + top.values).flatten(1)  # [B, n * top_k]
             index = torch.arange(count, count + logp.shape[1], device=device)
             value = (logp.exp() * self.going[:, None]).sum(0)
@@ -405,7 +408,7 @@ def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaT
                          "above; give these heads a tree of rank paths instead")
     if not dynamic and tree.num_nodes == 1:
         return RootOnly()
-    original, heads = heads, columnwise_copy(heads, packs=packs)
+    original, heads = heads, columnwise_copy(heads, packs=packs, eval_mode=True)
     draft_lm_weight = getattr(heads, "draft_lm_weight", None)
     if packs is not None and heads is not original and draft_lm_weight is not None:
         vars(heads)["draft_lm_packed"] = packs.get(draft_lm_weight)  # on the copy only (see MedusaHeads.project)

@@ -228,3 +228,24 @@ def test_eagle3_settings_are_named():
     assert mm.config.draft_layer["transformer_layer_config"]["hidden_size"] == 32
     with pytest.raises(ValueError, match="auxiliary layers"):
         MedusaModel.from_base(model, MedusaConfig(head_type="eagle3", share_lm_head=False, feature_layers=[0, 2]))
+
+
+def test_teacher_forced_drafts_write_no_mode_on_the_callers_modules(verifier, monkeypatch):
+    """A draft and verifier in train mode (dropout on) draft as in eval mode, and no module's `training` is written."""
+    mm = MedusaModel.from_pretrained(verifier, FIXTURES / "llama")
+    text = torch.tensor(EXPECTED["texts"][0])
+    for module in mm.modules():
+        if isinstance(module, torch.nn.Dropout) or hasattr(module, "attention_dropout"):
+            monkeypatch.setattr(module, "p" if isinstance(module, torch.nn.Dropout) else "attention_dropout", 0.5)
+    mm.train()
+    callers, writes = {id(m) for m in mm.modules()}, []
+    setattr_ = torch.nn.Module.__setattr__
+
+    def recording(module, name, value):
+        if name == "training" and id(module) in callers:
+            writes.append(type(module).__name__)
+        setattr_(module, name, value)
+
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", recording)
+    assert mm.teacher_forced_drafts(text, 3).tolist() == EXPECTED["drafts"]["llama"][0]
+    assert writes == [] and all(m.training for m in mm.modules())
