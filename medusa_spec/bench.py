@@ -22,7 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .draft import generate_with_draft, self_draft
+from .lookup import LOOKUP_TOKENS
 from .loop import StepTimer
+from .prompts import parse_prompt_spec, read_prompts
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_sample", "medusa_off", "medusa_greedy", "medusa_sample",
            "medusa_lookup", "lookup", "self_draft", "draft_model")
@@ -35,7 +37,6 @@ REFERENCE = "hf_greedy"
 # every token, a cost a greedy reference would not pay.
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9)
 SAMPLED = ("hf_sample", "medusa_sample")
-LOOKUP_TOKENS = 10  # as hf_prompt_lookup's prompt_lookup_num_tokens
 STEP_STAGES = StepTimer.STAGES[1:]  # a step's stages; prefill, once per prompt, is reported apart
 # The default prompts ship inside the package, with their licence (data/SOURCE.md), so bench runs from any install.
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_question.jsonl"
@@ -44,10 +45,8 @@ MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_question.jsonl"
 def read_eval_prompts(specs: str | Path | list, per_category: int | None = None,
                       prompt_field: str | None = None) -> list[tuple[str, str]]:
     """(category, first turn) of the prompts of --prompts FILE[:N] ... (one path, or a list of them), each file read
-    as distill reads it (train/data.py: any prompt shape it knows; FILE:N, its first N prompts); the category is the
+    as distill reads it (prompts.py: any prompt shape it knows; FILE:N, its first N prompts); the category is the
     record's `category` (MT-bench's), else the file's name without .jsonl; at most `per_category` per category."""
-    from .train.data import parse_prompt_spec, read_prompts  # here: the train package imports flags, which imports us
-
     specs = [specs] if isinstance(specs, (str, Path)) else specs
     prompts, seen = [], defaultdict(int)
     for spec in specs:

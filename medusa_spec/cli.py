@@ -12,9 +12,11 @@ import torch
 from . import bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
-from .flags import DTYPES, add_flag, check_device, check_model_folder, check_output_folder, default_device, positive_int
+from .flags import add_flag, check_device, default_device, positive_int
+from .folders import DTYPES, check_model_folder, check_output_folder
 from .formats import FORMATS, convert
 from .inputs import resolve_sampling
+from .lookup import LOOKUP_TOKENS
 from .model import MedusaModel
 from .slots import last_position
 from .train.cli import add_train_commands
@@ -127,7 +129,7 @@ def _check_proposer_options(args) -> None:
         raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a draft model: "
                          "drop one")
     if args.lookup is None:  # on by default with the heads: lossless, and it wins wherever text repeats
-        args.lookup = 0 if uses_draft else bench.LOOKUP_TOKENS
+        args.lookup = 0 if uses_draft else LOOKUP_TOKENS
     if args.documents and not args.lookup:
         raise ValueError("--documents are searched by prompt lookup: add --lookup N (e.g. --lookup 10)")
     if args.draft_tokens is not None and not uses_draft:
@@ -237,7 +239,7 @@ def chat(args) -> int:
 def run_bench(args) -> int:
     if args.methods and "draft_model" in args.methods and args.draft_model is None:
         raise ValueError("the draft_model method needs --draft-model DIR")
-    lookup = bench.LOOKUP_TOKENS if args.lookup is None else args.lookup
+    lookup = LOOKUP_TOKENS if args.lookup is None else args.lookup
     if not lookup and {"lookup", "medusa_lookup"} & set(args.methods or bench.DEFAULT_METHODS):
         raise ValueError("--lookup 0 leaves the lookup and medusa_lookup methods no chain to verify; choose the other "
                          "methods with --methods")

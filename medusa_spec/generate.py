@@ -18,7 +18,7 @@ from .inputs import (
     resolve_sampling,
     special_tokens,
 )
-from .lookup import with_lookup
+from .lookup import LOOKUP_TOKENS, with_lookup
 from .loop import decode, eval_mode
 from .model import MedusaModel
 from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
@@ -49,7 +49,7 @@ def generate_with_lookup(model: nn.Module, input_ids: torch.Tensor, attention_ma
                          max_new_tokens: int | None = None, do_sample: bool | None = None,
                          temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                          eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-                         lookup_tokens: int = 10, documents=None, tree=None,
+                         lookup_tokens: int = LOOKUP_TOKENS, documents=None, tree=None,
                          streamer=None, generation_config: GenerationConfig | None = None) -> GenerateOutput:
     """Prompt-lookup speculation through this library's verifier, lossless like the rest: each step also
     checks a chain of `lookup_tokens` candidates copied from where the text's last n-gram (n = 3 down to 1)

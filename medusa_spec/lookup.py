@@ -20,6 +20,9 @@ from .output import GenerationStats
 from .propose import Candidates, Prompt, Proposer, RootOnly, StepResult, tokens_left, tokens_left_after
 from .tree import MedusaTree, Tree, chain_tree
 
+# The chain's length where none is given (generate_with_lookup; --lookup of generate, chat and bench), and the
+# prompt_lookup_num_tokens bench's hf_prompt_lookup passes transformers, so both methods copy as far.
+LOOKUP_TOKENS = 10
 DEFAULT_MAX_NGRAM = 3
 # Beside a proposer's tree (the heads'), a chain needs a match of 3 tokens, and when every row has one the step
 # verifies the root and the chain alone. Over 300 distilled SmolLM2 conversations (82,804 answer positions), the

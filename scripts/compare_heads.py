@@ -34,7 +34,8 @@ from medusa_spec import MedusaModel, default_model
 from medusa_spec.autotree import expected_tokens_per_step
 from medusa_spec.base import inspect_base_model
 from medusa_spec.bench import read_eval_prompts
-from medusa_spec.train.data import make_rows, read_conversations, read_jsonl, tokenize_conversation
+from medusa_spec.prompts import read_jsonl
+from medusa_spec.train.data import make_rows, read_conversations, tokenize_conversation
 from medusa_spec.train.distill import DistillConfig, answer
 from medusa_spec.train.evaluate import accuracy_metrics, evaluate
 from medusa_spec.train.load import load_model_and_tokenizer

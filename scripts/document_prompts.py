@@ -30,7 +30,8 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from medusa_spec.train.data import read_conversations, read_jsonl, read_prompts
+from medusa_spec.prompts import read_jsonl, read_prompts
+from medusa_spec.train.data import read_conversations
 from medusa_spec.train.repetition import loop_start
 
 # A document between 400 and 2,000 characters: about 100-500 tokens, so that most prompts fit distill.sh's

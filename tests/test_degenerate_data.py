@@ -11,7 +11,8 @@ import re
 import pytest
 
 from medusa_spec.cli import main as cli_main
-from medusa_spec.train.data import Prompt, read_conversations
+from medusa_spec.prompts import Prompt
+from medusa_spec.train.data import read_conversations
 from medusa_spec.train.distill import DistillConfig, distill
 from medusa_spec.train.load import load_model_and_tokenizer
 from medusa_spec.train.repetition import degenerate

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_spec.train.data import read_prompts
+from medusa_spec.prompts import read_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import document_prompts  # noqa: E402

@@ -33,6 +33,7 @@ import medusa_spec.train.server
 from medusa_spec import MedusaConfig, MedusaModel, grow_tree
 from medusa_spec.bench import encode
 from medusa_spec.cli import main as cli_main
+from medusa_spec.prompts import Prompt, parse_prompt_spec, read_prompt_files, read_prompts
 from medusa_spec.train import data as data_module
 from medusa_spec.train import loop
 from medusa_spec.train.cli import add_train_commands
@@ -40,13 +41,9 @@ from medusa_spec.train.config import TrainConfig
 from medusa_spec.train.data import (
     PLAIN_TEXT_TEMPLATE,
     Example,
-    Prompt,
     collate,
     make_rows,
-    parse_prompt_spec,
     read_conversations,
-    read_prompt_files,
-    read_prompts,
     require_chat_template,
     tokenize_conversation,
     tokenize_conversations,

@@ -13,8 +13,9 @@ from .. import default_model
 from ..base import inspect_base_model
 from ..flags import add_flag, check_device, default_device, fast_dtype, positive_int
 from ..model import MedusaModel
+from ..prompts import read_prompt_files
 from .config import TrainConfig
-from .data import make_rows, read_conversations, read_prompt_files, tokenize_conversations
+from .data import make_rows, read_conversations, tokenize_conversations
 from .distill import DistillConfig, distill
 from .evaluate import calibrate_tree, evaluate
 from .load import load_model_and_tokenizer

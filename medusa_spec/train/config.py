@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import HEAD_TYPES
-from .options import head_defaults, head_option, option, shared
+from .fields import head_defaults, head_option, option, shared
 
 
 @dataclass

@@ -26,9 +26,10 @@ from tqdm.auto import tqdm
 from ..accept import Sampling
 from ..inputs import resolve_sampling
 from ..loop import eval_mode
-from .data import Prompt, normal_text, read_prompts, render, unique_prompts
+from ..prompts import Prompt, read_prompts
+from .data import normal_text, render, unique_prompts
 from .engine import Request, decode_stream
-from .options import option, shared
+from .fields import option, shared
 from .repetition import AnswerWatch
 from .store import ConversationStore, complete_lines, is_folder, record_model
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..flags import DTYPES, check_model_folder
+from ..folders import DTYPES, check_model_folder
 from .data import require_chat_template
 
 

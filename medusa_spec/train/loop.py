@@ -25,7 +25,7 @@ from .. import default_model
 from ..base import inspect_base_model
 from ..config import CONFIG_NAME, MedusaConfig
 from ..eagle import draft_layer_shape
-from ..flags import check_output_folder
+from ..folders import check_output_folder
 from ..io import LORA_DIR, check_lora_folder
 from ..model import MedusaModel
 from .checkpoint import (

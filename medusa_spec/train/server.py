@@ -20,7 +20,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..inputs import resolve_sampling
-from .data import Prompt, unique_prompts
+from ..prompts import Prompt
+from .data import unique_prompts
 from .repetition import AnswerWatch
 from .store import ConversationStore, record_model
 

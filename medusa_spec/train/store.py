@@ -17,7 +17,7 @@ import weakref
 import zlib
 from pathlib import Path
 
-from ..flags import check_output_folder
+from ..folders import check_output_folder
 
 try:
     import fcntl

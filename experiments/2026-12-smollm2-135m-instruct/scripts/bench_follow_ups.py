@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_spec import default_model
-from medusa_spec.train.data import read_prompts
+from medusa_spec.prompts import read_prompts
 from medusa_spec.train.distill import DistillConfig, distill
 
 POOL = Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "oasst_prompt_lottery_en_250.jsonl"
