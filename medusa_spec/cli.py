@@ -272,7 +272,8 @@ def run_bench(args) -> int:
 def run_convert(args) -> int:
     check_output_folder(args.dst, "dst")
     base_model = check_model_folder(args.model, tokenizer=False) if args.model else None  # weights and sizes only
-    convert(args.src, args.dst, to=args.to, base_model=base_model)
+    dtype = getattr(torch, args.weights_dtype) if args.weights_dtype else None
+    convert(args.src, args.dst, to=args.to, base_model=base_model, dtype=dtype)
     print(f"wrote {args.to} heads to {args.dst}")
     return 0
 
@@ -371,11 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_commands(commands)
 
     p = commands.add_parser("convert", help="convert Medusa heads between formats",
-                            description="Convert Medusa heads between medusa_spec's, the original Medusa (read by "
-                                        "TensorRT-LLM's and TGI's converters) and vLLM's formats.")
+                            description="Convert heads between medusa_spec's, the original Medusa (read by "
+                                        "TensorRT-LLM's and TGI's converters), vLLM's Medusa and speculators' EAGLE-3 "
+                                        "(vLLM's eagle3; eagle3 heads only) formats.")
     p.add_argument("src", help="folder holding the heads, in any of the formats (detected from its files)")
     p.add_argument("dst", help="folder to write; files of the target format there are replaced")
     p.add_argument("--to", required=True, choices=FORMATS, help="format to write")
+    p.add_argument("--weights-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="write the heads' weights in this dtype (bfloat16: half the size; engines cast them to their "
+                        "model's); default: as they are")
     add_flag(p, "model", default_help="none: needed for --to vllm, and for TensorRT-LLM with --to medusa, when the "
                                       "heads share the base LM head, which is copied from it; when given, the heads "
                                       "are checked against it",

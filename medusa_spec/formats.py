@@ -380,15 +380,16 @@ def _refuse_unsupported(config: MedusaConfig, path, format_name: str, token_map_
 
 
 def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
-            base_model: str | Path | nn.Module | None = None) -> None:
+            base_model: str | Path | nn.Module | None = None, dtype: torch.dtype | None = None) -> None:
     """Read heads from `src_dir` (format detected) and write them to `dst_dir` in format `to`: "medusa_spec",
     "medusa" (original), "vllm" or "speculators" (EAGLE-3, eagle3 heads only).
 
     `base_model`, a path or a loaded model, supplies the LM head that vLLM's format stores for shared-LM-head
     heads and the sizes a "version 2" Medusa checkpoint does not record, and is checked against the heads (and
     against the LM head copy a vLLM checkpoint carries, which needs it); a speculators folder gets its input
-    embeddings, and one read is checked against them. A Medusa-2 LoRA adapter is not
-    converted: the other formats hold heads only. `dst_dir` may be new, empty or hold `to` heads (replaced); one
+    embeddings, and one read is checked against them. A Medusa-2 LoRA adapter is not converted: the other formats
+    hold heads only. `dtype`: the heads' floating-point weights are written in it (e.g. torch.bfloat16, half the
+    size; a loader casts them to its model's dtype). `dst_dir` may be new, empty or hold `to` heads (replaced); one
     holding another format's heads or another model's files, or `src_dir` itself, is refused.
     """
     if to not in FORMATS:
@@ -410,6 +411,9 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
     base_lm_head = base_model.get_output_embeddings() if base_model is not None else None
     config, state_dict = read_heads(src_dir, base_lm_head,
                                     base_model.get_input_embeddings() if base_model is not None else None)
+    if dtype is not None:
+        state_dict = {key: value.to(dtype) if value.is_floating_point() else value
+                      for key, value in state_dict.items()}
     if (Path(src_dir) / io.LORA_DIR).exists():
         warnings.warn(f"{Path(src_dir) / io.LORA_DIR} (a LoRA adapter for the base model) is not converted; merge it "
                       f"into the base model to serve it with an engine", stacklevel=2)

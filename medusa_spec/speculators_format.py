@@ -232,4 +232,6 @@ def speculators_config(config: MedusaConfig, dtype: torch.dtype, base_model: nn.
                  "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
                  "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
                  **{flag: config.draft_layer[flag] for flag in NORM_FLAGS}})
+    for key in {"dtype", "torch_dtype"} & meta.keys():  # the weights' dtype as written, not as read
+        meta[key] = str(dtype).removeprefix("torch.")
     return dict(sorted(meta.items()))

@@ -249,3 +249,18 @@ def test_teacher_forced_drafts_write_no_mode_on_the_callers_modules(verifier, mo
     monkeypatch.setattr(torch.nn.Module, "__setattr__", recording)
     assert mm.teacher_forced_drafts(text, 3).tolist() == EXPECTED["drafts"]["llama"][0]
     assert writes == [] and all(m.training for m in mm.modules())
+
+
+def test_convert_writes_the_weights_in_the_dtype_asked(verifier, tmp_path):
+    """--weights-dtype bfloat16: half the size; the folder still loads onto the fp32 verifier and decodes losslessly."""
+    from medusa_spec.cli import main
+
+    assert main(["convert", str(FIXTURES / "llama"), str(tmp_path / "bf16"), "--to", "speculators", "--weights-dtype",
+                 "bfloat16", "--model", str(FIXTURES / "tiny-verifier")]) == 0
+    tensors = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    mm = MedusaModel.from_pretrained(verifier, tmp_path / "bf16")
+    ids = torch.tensor([EXPECTED["texts"][0]])
+    assert torch.equal(mm.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences,
+                       reference_generate(verifier, ids, max_new_tokens=12, eos_token_id=None))

@@ -1128,7 +1128,10 @@ def test_shipped_recipes_hold_valid_settings_and_existing_prompt_files(recipe):
         assert distill_cfg.output == cfg.data[0]  # train reads what distill wrote
         if SHARED_TRAIN.is_dir():
             root = recipe.parents[2]  # recipes name prompt files relative to the repository root
-            assert all((root / parse_prompt_spec(spec)[0]).is_file() for spec in distill_cfg.prompts)
+            # runs/prompts/ is where training/data/prompts/unpack.sh puts the committed pools, gzipped beside it.
+            pools = root / "training" / "data" / "prompts"
+            assert all((root / path).is_file() or (pools / f"{path.name}.gz").is_file()
+                       for path in (parse_prompt_spec(spec)[0] for spec in distill_cfg.prompts))
 
 
 def test_recipe_settings_are_overridden_by_flags_and_checked(tmp_path):
