@@ -18,6 +18,9 @@ from medusa_spec import MedusaConfig, MedusaModel
 from medusa_spec.cli import main
 from medusa_spec.formats import FORMATS, convert, read_heads
 
+# The formats of Medusa heads; speculators' holds eagle3 heads only (tests/test_eagle3.py).
+MEDUSA_FORMATS = [fmt for fmt in FORMATS if fmt != "speculators"]
+
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
 PROMPT = torch.tensor([[1, 5, 9, 2, 7], [3, 3, 8, 1, 4]])
@@ -734,7 +737,7 @@ def test_convert_command(tmp_path):
     base.save_pretrained(tmp_path / "base")
     model = random_medusa(base, num_heads=2, share_lm_head=True)
     model.save_heads(tmp_path / "own")
-    for fmt in FORMATS:
+    for fmt in MEDUSA_FORMATS:
         assert main(["convert", str(tmp_path / "own"), str(tmp_path / fmt), "--to", fmt,
                      "--model", str(tmp_path / "base")]) == 0
         assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / fmt), model)
@@ -751,7 +754,7 @@ IN_THE_WAY = {"medusa_spec": "medusa_config.json, medusa_heads.safetensors",
               "vllm": "config.json, model.safetensors", "base model": "config.json, model.safetensors"}
 
 
-@pytest.mark.parametrize("held, to", [(held, to) for held in IN_THE_WAY for to in FORMATS if to != held
+@pytest.mark.parametrize("held, to", [(held, to) for held in IN_THE_WAY for to in MEDUSA_FORMATS if to != held
                                       and (held, to) != ("base model", "medusa_spec")])
 def test_convert_refuses_a_folder_holding_another_format_or_model(tmp_path, held, to):
     base = tiny_base()
@@ -797,7 +800,7 @@ def test_convert_refuses_its_source_folder_and_replaces_heads_of_its_own_format(
 
     new = random_medusa(base, seed=2, num_heads=3, share_lm_head=False)
     new.save_heads(tmp_path / "new")
-    for to in FORMATS:  # into a folder of `to` heads: they are replaced
+    for to in MEDUSA_FORMATS:  # into a folder of `to` heads: they are replaced
         convert(tmp_path / "own", tmp_path / to, to=to)
         convert(tmp_path / "new", tmp_path / to, to=to)
         assert_same_heads(MedusaModel.from_pretrained(tiny_base(), tmp_path / to), new)

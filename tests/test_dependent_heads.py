@@ -224,7 +224,7 @@ def test_formats_without_dependent_heads_or_token_maps_refuse_them(tmp_path):
 
 
 def test_bad_head_types_and_token_maps_are_named():
-    with pytest.raises(ValueError, match="head_type must be one of medusa, dependent, eagle, got 'hydra'"):
+    with pytest.raises(ValueError, match="head_type must be one of medusa, dependent, eagle, eagle3, got 'hydra'"):
         MedusaConfig(head_type="hydra")
     with pytest.raises(ValueError, match=r"draft_vocab_size \(200\) exceeds vocab_size \(96\)"):
         MedusaConfig(vocab_size=96, draft_vocab_size=200)

@@ -120,7 +120,9 @@ def test_the_tree_is_what_a_per_row_beam_search_rates_best(nodes, top_k, beam):
         paths = [path for row, path in outputs if row == b]  # by depth, then as the beam ranked them
         assert drafted.shape[1] == len(paths)
         for i, path in enumerate(paths):
-            assert torch.allclose(drafted[b, i], outputs[b, path], atol=1e-4), (b, path)
+            # 1e-3: the beam's batched pass and the reference's one-path passes sum in other orders (on an x86 CPU
+            # without AVX-512 they differed by up to 1.1e-4 on values near 2); a wrong slot differs by about 1.
+            assert torch.allclose(drafted[b, i], outputs[b, path], atol=1e-3), (b, path)
 
 
 # Seeds whose random heads draft something the base accepts (asserted below).

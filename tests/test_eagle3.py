@@ -264,3 +264,21 @@ def test_convert_writes_the_weights_in_the_dtype_asked(verifier, tmp_path):
     ids = torch.tensor([EXPECTED["texts"][0]])
     assert torch.equal(mm.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences,
                        reference_generate(verifier, ids, max_new_tokens=12, eos_token_id=None))
+
+
+def test_convert_refuses_a_folder_of_other_files_and_replaces_a_speculators_one(verifier, tmp_path):
+    """Into a folder holding vLLM Medusa heads: refused, nothing touched; into one holding a speculators draft: it is
+    replaced by the new one, files of the user's own beside it kept."""
+    model = tiny_model("llama")
+    random_heads(model, head_type="medusa", num_heads=2).save_heads(tmp_path / "medusa")
+    convert(tmp_path / "medusa", tmp_path / "dst", to="vllm", base_model=model)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "dst").iterdir()}
+    with pytest.raises(ValueError, match="dst already holds config.json, model.safetensors, not files of speculators"):
+        convert(FIXTURES / "llama", tmp_path / "dst", to="speculators", base_model=verifier)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "dst").iterdir()} == before
+    convert(FIXTURES / "llama", tmp_path / "spec", to="speculators", base_model=verifier)
+    (tmp_path / "spec" / "README.md").write_text("notes")
+    convert(FIXTURES / "qwen3", tmp_path / "spec", to="speculators", base_model=verifier)
+    assert json.loads((tmp_path / "spec" / "config.json").read_text()) == \
+        json.loads((FIXTURES / "qwen3" / "config.json").read_text())
+    assert (tmp_path / "spec" / "README.md").read_text() == "notes"
