@@ -130,18 +130,12 @@ def read_vllm(path: str | Path, base_lm_head: nn.Module | None = None) -> tuple[
     below vocab_size, so a map it would ignore is refused (unless it is the identity, which changes nothing)."""
     path = Path(path)
     meta = read_json_object(path / HF_CONFIG, fix="put the checkpoint's config file beside its weights")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has a vLLM Medusa {HF_CONFIG} but no *.safetensors weights; "
-                                f"put the heads' weights file beside it")
-    tensors = {}
-    for file in files:
-        # vLLM strips this prefix when loading, so checkpoints carry it.
-        tensors.update({key.removeprefix("medusa_heads."): value for key, value in io.read_safetensors(file).items()})
+    tensors, source = io.read_weights_folder(path, "a vLLM Medusa")
+    # vLLM strips this prefix when loading, so checkpoints carry it.
+    tensors = {key.removeprefix("medusa_heads."): value for key, value in tensors.items()}
     if "token_map" in tensors and meta.get("vocab_size") is None:
         raise ValueError(f"{path}: heads with a token_map need the full vocab_size in {HF_CONFIG}; add the base "
                          f"model's vocab_size there")
-    source = files[0] if len(files) == 1 else path
     token_map = tensors.get("token_map")
     if token_map is not None:
         io.check_token_map(token_map, meta["vocab_size"], source)  # before it indexes rows below

@@ -236,6 +236,20 @@ def load_adapter(path: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor
     return config, state_dict
 
 
+def read_weights_folder(path: Path, holder: str) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every *.safetensors in the folder `path` (engines read them all; large checkpoints are sharded), and the name
+    to give in messages: the file where there is one, else the folder. `holder` says what the folder's config.json
+    describes, for the message when there is none."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has {holder} config.json but no *.safetensors weights; put its weights file "
+                                f"beside it")
+    tensors = {}
+    for file in files:
+        tensors.update(read_safetensors(file))
+    return tensors, files[0] if len(files) == 1 else path
+
+
 def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))

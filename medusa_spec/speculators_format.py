@@ -92,15 +92,8 @@ def read_speculators(path: str | Path,
     if not config.feature_layers:
         raise ValueError(f"{path / HF_CONFIG}: eagle_aux_hidden_state_layer_ids is not set; write the verifier's "
                          f"layer ids there (speculators' default is [2, N // 2, N - 3] for N decoder layers)")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has a speculators {HF_CONFIG} but no *.safetensors weights; put the draft's "
-                                f"weights file beside it")
-    tensors = {}
-    for file in files:
-        tensors.update(io.read_safetensors(file))
-    source_name = files[0] if len(files) == 1 else path
-    return config, _state_dict(tensors, config, source_name, base_embeddings)
+    tensors, source = io.read_weights_folder(path, "a speculators")
+    return config, _state_dict(tensors, config, source, base_embeddings)
 
 
 def _default_proposal(speculators_config: Any, path: Path) -> dict:
