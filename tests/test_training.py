@@ -8,6 +8,7 @@ self-distilled answers must then reach high accuracy and multi-token steps.
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib
 import json
 import math
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,15 @@ from medusa_spec.train.data import (
     tokenize_conversation,
     tokenize_conversations,
 )
-from medusa_spec.train.distill import SELF_PROMPTS, DistillConfig, answer, distill, model_identity
+from medusa_spec.train.distill import (
+    SEALED_PROMPTS,
+    SELF_PROMPTS,
+    DistillConfig,
+    answer,
+    distill,
+    model_identity,
+    read_self_prompts,
+)
 from medusa_spec.train.draft_vocab import answer_token_counts, frequent_tokens
 from medusa_spec.train.evaluate import calibrate_tree, count_rank_hits
 from medusa_spec.train.load import load_model_and_tokenizer
@@ -557,7 +567,9 @@ def test_model_written_prompts_and_follow_ups_are_answered(base_dir, tmp_path):
     cfg = distill_settings(base_dir, tmp_path / "data", batch_size=4, max_new_tokens=ANSWER + 4, self_prompts=3,
                            follow_ups=0.9, max_prompt_tokens=400)
     stats = distill(base_model, tokenizer, prompts, cfg, progress=False)
-    written = [json.loads(line)["prompt"] for line in (tmp_path / "data" / SELF_PROMPTS).read_text().splitlines()]
+    written = [json.loads(line)["prompt"] for line in gzip.decompress(
+        (tmp_path / "data" / SEALED_PROMPTS).read_bytes()).decode().splitlines()]
+    assert not (tmp_path / "data" / SELF_PROMPTS).exists()  # the finished round sealed into SEALED_PROMPTS
     assert len(set(written)) == 3 and stats["written"] == 8 + 3 and stats["follow_ups"] > 0
     records = list(read_records(tmp_path / "data"))
     assert sum(len(r["messages"]) == 4 for r in records) == stats["follow_ups"]
@@ -681,9 +693,32 @@ def test_self_prompts_resume_after_a_kill_cut_a_line(base_dir, tmp_path):
                                        encoding="utf-8")
     cfg = distill_settings(base_dir, folder, batch_size=2, max_new_tokens=4, self_prompts=2, max_prompt_tokens=400)
     stats = distill(base_model, tokenizer, [], cfg, progress=False)
-    lines = (folder / SELF_PROMPTS).read_text(encoding="utf-8").split("\n")
+    lines = gzip.decompress((folder / SEALED_PROMPTS).read_bytes()).decode("utf-8").split("\n")
     assert lines[-1] == "" and len(lines) == 3 and json.loads(lines[0]) == {"prompt": "count from w1"}
     assert json.loads(lines[1])["prompt"] != "count fr" and stats["written"] == 2
+
+
+def test_self_prompts_are_sealed_gzipped_and_numbered_across_rounds(base_dir, tmp_path):
+    """A finished round folds self_prompts.jsonl into self_prompts.jsonl.gz (tens of thousands of prompts stay small
+    in git); the next round appends to a new self_prompts.jsonl and prompt n keeps the id SELF_PROMPTS:n, so the
+    answers stored before are found. A kill between sealing and removing the plain file loses and repeats nothing."""
+    base_model, tokenizer = load_model_and_tokenizer(base_dir)
+    folder = tmp_path / "data"
+    cfg = distill_settings(base_dir, folder, batch_size=2, max_new_tokens=4, self_prompts=2, max_prompt_tokens=400)
+    first = distill(base_model, tokenizer, [], cfg, progress=False)
+    assert first["written"] == 2 and sorted(p.name for p in folder.glob("self_prompts*")) == [SEALED_PROMPTS]
+    sealed = read_self_prompts(folder)
+    again = distill(base_model, tokenizer, [], replace(cfg, self_prompts=3), progress=False)
+    assert again["skipped_finished"] == 2 and again["written"] == 1  # prompts 1 and 2 kept their ids
+    kept = read_self_prompts(folder)
+    assert kept[:2] == sealed and len(kept) == 3
+    stored = {r["id"]: r["messages"][0]["content"] for r in read_records(folder)}
+    assert stored == {f"{SELF_PROMPTS}:{n}": text for n, text in enumerate(kept, start=1)}
+    # As if killed after the rename, before the unlink: the plain file's prompts are the sealed file's last ones.
+    (folder / SELF_PROMPTS).write_text("".join(json.dumps({"prompt": t}) + "\n" for t in kept[2:]), encoding="utf-8")
+    assert read_self_prompts(folder) == kept
+    assert distill(base_model, tokenizer, [], replace(cfg, self_prompts=3), progress=False)["written"] == 0
+    assert read_self_prompts(folder) == kept and not (folder / SELF_PROMPTS).exists()
 
 
 # ---------------------------------------------------------------- training

@@ -12,8 +12,10 @@ are skipped.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import os
 import time
 import zlib
 from collections import deque
@@ -26,14 +28,15 @@ from tqdm.auto import tqdm
 from ..accept import Sampling
 from ..inputs import resolve_sampling
 from ..loop import eval_mode
-from ..prompts import Prompt, read_prompts
+from ..prompts import Prompt
 from .data import normal_text, render, unique_prompts
 from .engine import Request, decode_stream
 from .fields import option, shared
 from .repetition import AnswerWatch
 from .store import ConversationStore, complete_lines, is_folder, record_model
 
-SELF_PROMPTS = "self_prompts.jsonl"
+SELF_PROMPTS = "self_prompts.jsonl"  # the round under way appends here, a line per prompt
+SEALED_PROMPTS = SELF_PROMPTS + ".gz"  # and, finished, folds it into this: tens of thousands of prompts, gzipped
 PROMPT_START = b'{"prompt": '  # how every line of SELF_PROMPTS begins
 _SENTINEL = "\x00medusa-spec-user-turn\x00"
 
@@ -56,7 +59,7 @@ class DistillConfig:
     top_k: int | None = shared(None)
     top_p: float | None = shared(None)
     self_prompts: int = option(0, f"first have the model write this many user prompts of its own (Magpie), kept "
-                                  f"deduplicated in the output folder's {SELF_PROMPTS}, and answer them too")
+                                  f"deduplicated in the output folder's {SEALED_PROMPTS}, and answer them too")
     follow_ups: float = option(0.0, "share of single-turn conversations that get a model-written second user turn, "
                                     "answered again")
     prompt_temperature: float = option(1.0, "sampling temperature of model-written prompts and follow-ups, drawn "
@@ -169,24 +172,62 @@ def answer(base_model, tokenizer, conversations: list[list[dict]], cfg: DistillC
     return replies, count
 
 
-def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Prompt], progress: bool) -> Path:
-    """Grow the output folder's SELF_PROMPTS file to cfg.self_prompts model-written prompts, each
-    new (by lowercased, whitespace-folded text) against `known` and the file; returns its path."""
-    if not is_folder(cfg.output):
-        raise ValueError("--self-prompts needs a folder --output (where self_prompts.jsonl is kept)")
-    path = Path(cfg.output) / SELF_PROMPTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not splitlines: see store.py.
-    lines = complete_lines(path).decode("utf-8").split("\n") if path.is_file() else []
-    written = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            written += [json.loads(line)["prompt"]] if line.strip() else []
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}:{number}: not a model-written prompt ({{\"prompt\": ...}}); it is distill's own "
-                             f"file: move it away to write the prompts anew") from None
-    if path.is_file():  # as the file's writer: a last line a kill cut short is cut off (the next prompt starts a line)
+def read_self_prompts(folder: Path, cut: bool = False) -> list[str]:
+    """The model-written prompts kept in `folder`, in the order written (prompt n is SELF_PROMPTS:n): the sealed
+    ones (SEALED_PROMPTS), then those of the round under way (SELF_PROMPTS). `cut`: as their writer (complete_lines)."""
+    sealed_path, path = folder / SEALED_PROMPTS, folder / SELF_PROMPTS
+    sealed = _prompt_texts(_gunzip(sealed_path), sealed_path) if sealed_path.is_file() else []
+    if not path.is_file():
+        return sealed
+    if cut:  # a last line a kill cut short is cut off (the next prompt starts a line)
         complete_lines(path, cut=PROMPT_START)
+    current = _prompt_texts(complete_lines(path), path)
+    if current and sealed[-len(current):] == current:  # killed between sealing and removing SELF_PROMPTS
+        return sealed
+    return sealed + current
+
+
+def seal_self_prompts(folder: Path) -> None:
+    """Fold SELF_PROMPTS into SEALED_PROMPTS (written whole under another name, then renamed) and remove it: the
+    prompts of finished rounds are kept gzipped, as the conversations' chunks are (store.py)."""
+    path = folder / SELF_PROMPTS
+    if not path.is_file():
+        return
+    lines = "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in read_self_prompts(folder))
+    partial = folder / (SEALED_PROMPTS + ".partial")
+    partial.write_bytes(gzip.compress(lines.encode("utf-8"), mtime=0))  # mtime 0: the same prompts, the same bytes
+    os.replace(partial, folder / SEALED_PROMPTS)
+    path.unlink()
+
+
+def _gunzip(path: Path) -> bytes:
+    try:
+        return gzip.decompress(path.read_bytes())
+    except (EOFError, OSError, zlib.error):  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path} is damaged (not a complete gzip file): restore it (git checkout -- {path}), or "
+                         f"move it away to write the prompts anew") from None
+
+
+def _prompt_texts(data: bytes, source: Path) -> list[str]:
+    texts = []
+    for number, line in enumerate(data.decode("utf-8").split("\n"), start=1):  # not splitlines: see store.py
+        try:
+            texts += [json.loads(line)["prompt"]] if line.strip() else []
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{source}:{number}: not a model-written prompt ({{\"prompt\": ...}}); it is distill's "
+                             f"own file: move it away to write the prompts anew") from None
+    return texts
+
+
+def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Prompt], progress: bool) -> list[str]:
+    """Grow the output folder's prompts to cfg.self_prompts model-written prompts, each new (by lowercased,
+    whitespace-folded text) against `known` and the ones kept; returns every kept one (read_self_prompts)."""
+    if not is_folder(cfg.output):
+        raise ValueError(f"--self-prompts needs a folder --output (where {SEALED_PROMPTS} is kept)")
+    folder = Path(cfg.output)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / SELF_PROMPTS
+    written = read_self_prompts(folder, cut=True)
     seen = {normal_text(t) for p in known for t in p.turns} | {normal_text(t) for t in written}
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     opening = _ids(tokenizer, user_turn_opening(tokenizer, system))
@@ -215,7 +256,8 @@ def write_self_prompts(base_model, tokenizer, cfg: DistillConfig, known: list[Pr
                     out.flush()  # whole lines on disk as they come: a kill loses at most the prompt being written
                     bar.update(1)
     bar.close()
-    return path
+    seal_self_prompts(folder)
+    return written
 
 
 def _wants_follow_up(pid: str, share: float) -> bool:
@@ -239,8 +281,8 @@ def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, p
                          f"prompts under in --output: rename that file (or leave it out: --self-prompts reads the "
                          f"output folder's own {SELF_PROMPTS})")
     if cfg.self_prompts:
-        path = write_self_prompts(base_model, tokenizer, cfg, unique, progress)
-        prompts = prompts + read_prompts(path)
+        written = write_self_prompts(base_model, tokenizer, cfg, unique, progress)
+        prompts = prompts + [Prompt(f"{SELF_PROMPTS}:{n}", (text,)) for n, text in enumerate(written, start=1)]
         unique = unique_prompts(prompts)
     store = ConversationStore(cfg.output, cfg.chunk_size)
     todo = [p for p in unique if p.id not in store.done]

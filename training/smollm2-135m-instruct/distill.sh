@@ -35,7 +35,7 @@ medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" "$@"
 STEP=${STEP:-1000}
 # Resume at the step of the last prompt already written: a step answers every unanswered prompt up to its number,
 # so the steps before it would only load the model again (14 of them took about 20 minutes here).
-WRITTEN=$(cat "$OUT/self_prompts.jsonl" 2>/dev/null | wc -l)
+WRITTEN=$( (gunzip -c "$OUT/self_prompts.jsonl.gz" 2>/dev/null; cat "$OUT/self_prompts.jsonl" 2>/dev/null) | wc -l)
 FIRST=$(( WRITTEN - WRITTEN % STEP > STEP ? WRITTEN - WRITTEN % STEP : STEP ))
 for ((n = FIRST < SELF ? FIRST : SELF; n < SELF + STEP; n += STEP)); do
   medusa-spec distill "${COMMON[@]}" --prompts "${POOLS[@]}" --self-prompts $((n < SELF ? n : SELF)) "$@"
