@@ -1,5 +1,6 @@
 """Interchange with other head layouts: the original Medusa repo's (which TensorRT-LLM's and TGI's converters read),
-vLLM's Medusa, and speculators' EAGLE-3 (speculators_format.py), which vLLM and SGLang serve.
+vLLM's Medusa, speculators' EAGLE-3 (speculators_format.py), which vLLM serves, and EAGLE-3's research layout
+(sglang_format.py), which SGLang serves.
 
 Every reader returns medusa_spec's own layout (a MedusaConfig and a state dict named as MedusaHeads names its
 tensors, which is vLLM's naming), so each format needs one reader and one writer, not one per pair. Head and
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import re
 import warnings
 from pathlib import Path
@@ -23,9 +23,12 @@ from torch import nn
 from . import io
 from .base import inspect_base_model
 from .config import CONFIG_NAME, MedusaConfig, read_json_object
+from .sglang_format import PICKLED_WEIGHTS, is_sglang_config, read_sglang, write_sglang
 from .speculators_format import is_speculators_config, read_speculators, write_speculators
 
-FORMATS = ("medusa_spec", "medusa", "vllm", "speculators")
+# Named for what reads them: this library, the original Medusa repo, and the engines each layout is written for
+# (speculators' is also its training library's name; "sglang" is EAGLE-3's research layout, which SGLang loads).
+FORMATS = ("medusa_spec", "medusa", "vllm", "speculators", "sglang")
 HF_CONFIG = "config.json"  # the original Medusa and vLLM layouts both keep their config here
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 VLLM_WEIGHTS = "model.safetensors"  # vLLM reads every *.safetensors in the folder; this is the usual name
@@ -38,7 +41,8 @@ _MEDUSA_PROJECTION_KEY = re.compile(r"(\d+)\.(\d+)\.weight")
 
 
 def detect_format(path: str | Path) -> str:
-    """"medusa_spec", "medusa" (original), "vllm" or "speculators", judged by the files in the folder `path`."""
+    """"medusa_spec", "medusa" (original), "vllm", "speculators" or "sglang", judged by the files in the folder
+    `path`."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no adapter folder at {path}; save one with MedusaModel.save_heads({str(path)!r})")
@@ -53,7 +57,9 @@ def detect_format(path: str | Path) -> str:
     raise FileNotFoundError(
         f"{path} holds no Medusa heads: expected {CONFIG_NAME} + {io.WEIGHTS_NAME} (medusa_spec), {HF_CONFIG} + "
         f"{' or '.join(MEDUSA_WEIGHTS)} (original Medusa), {HF_CONFIG} with model_type \"medusa\" + *.safetensors "
-        f"(vLLM), or {HF_CONFIG} with speculators_model_type + *.safetensors (speculators' EAGLE-3)")
+        f"(vLLM), {HF_CONFIG} with speculators_model_type + *.safetensors (speculators' EAGLE-3), or {HF_CONFIG} "
+        f"with architectures [\"LlamaForCausalLMEagle3\"] + *.safetensors or {PICKLED_WEIGHTS} (EAGLE-3's research "
+        f"layout, SGLang's)")
 
 
 def heads_without_model(path: str | Path) -> str | None:
@@ -70,27 +76,32 @@ def heads_without_model(path: str | Path) -> str | None:
 
 
 def _config_format(config: dict) -> str | None:
-    """"vllm", "medusa" or "speculators" for a config.json of that format's heads; None for any other (a base
-    model's)."""
+    """"vllm", "medusa", "speculators" or "sglang" for a config.json of that format's heads; None for any other (a
+    base model's)."""
     if is_speculators_config(config):
         return "speculators"
+    if is_sglang_config(config):
+        return "sglang"
     if config.get("model_type") == "medusa":
         return "vllm"
     return "medusa" if "medusa_num_heads" in config else None
 
 
-def read_heads(path: str | Path, base_lm_head: nn.Module | None = None,
-               base_embeddings: nn.Module | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+def read_heads(path: str | Path, base_lm_head: nn.Module | None = None, base_embeddings: nn.Module | None = None,
+               base_num_layers: int | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Config and state dict, in medusa_spec's layout, of the heads in `path`, whichever format it holds.
     `base_lm_head`, the base model's output embeddings, is needed for a vLLM checkpoint that carries a copy of
-    it (see read_vllm); `base_embeddings`, its input embeddings, for a speculators draft that carries a copy of
-    them (see read_speculators)."""
+    it (see read_vllm); `base_embeddings`, its input embeddings, for an EAGLE-3 draft that carries a copy of
+    them (see read_speculators); `base_num_layers`, its decoder layers, for a research-layout draft that leaves its
+    auxiliary layers to SGLang's default (see read_sglang)."""
     io.finish_interrupted_save(path)  # a save killed midway may have left part of its files to move into place
     fmt = detect_format(path)
     if fmt == "vllm":
         return read_vllm(path, base_lm_head)
     if fmt == "speculators":
         return read_speculators(path, base_embeddings)
+    if fmt == "sglang":
+        return read_sglang(path, base_embeddings, base_num_layers)
     return io.load_adapter(path) if fmt == "medusa_spec" else read_medusa(path, base_lm_head)
 
 
@@ -107,7 +118,7 @@ def read_medusa(path: str | Path,
     if weights_file is None:
         raise FileNotFoundError(f"{path} has a Medusa {HF_CONFIG} but no {' or '.join(MEDUSA_WEIGHTS)}; "
                                 f"put the heads' weights file beside it")
-    tensors = _read_weights(weights_file)
+    tensors = io.read_weights_file(weights_file, MEDUSA_WEIGHTS[0])
     num_layers = 1 + max((int(m[2]) for key in tensors if (m := _MEDUSA_LAYER_KEY.fullmatch(key))), default=-1)
     projections = [key for key in tensors
                    if (m := _MEDUSA_PROJECTION_KEY.fullmatch(key)) and int(m[2]) == num_layers]
@@ -231,25 +242,6 @@ def _heads_from_weights(tensors: dict[str, torch.Tensor], source, stated: dict, 
     io.check_weights(expected, tensors, source, name=name,
                      fix="the checkpoint is incomplete or not a Medusa head checkpoint")
     return config, tensors
-
-
-def _read_weights(file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        return io.read_safetensors(file)
-    try:
-        # weights_only: a .pt file is a pickle, and unpickling anything but tensors can run arbitrary code.
-        data = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"{file} holds Python objects besides tensors, which torch.load(weights_only=True) refuses; "
-                         f"if you trust the file, load it with weights_only=False and save its tensors with "
-                         f"safetensors.torch.save_file as {MEDUSA_WEIGHTS[0]}") from None
-    except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(f"{file} is truncated or corrupt ({err}); re-download it") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in data.items()):
-        raise ValueError(f"{file} is not a state dict of tensors; save the heads' state_dict() in it")
-    # The original Medusa reuses one ResBlock for all layers of a head ([ResBlock] * L), so its tensors can share
-    # storage; clones make them independent (and savable: safetensors refuses shared tensors).
-    return {key: value.clone() for key, value in data.items()}
 
 
 def _from_medusa_key(key: str, num_layers: int) -> str:
@@ -376,7 +368,8 @@ def _refuse_unsupported(config: MedusaConfig, path, format_name: str, token_map_
 def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
             base_model: str | Path | nn.Module | None = None, dtype: torch.dtype | None = None) -> None:
     """Read heads from `src_dir` (format detected) and write them to `dst_dir` in format `to`: "medusa_spec",
-    "medusa" (original), "vllm" or "speculators" (EAGLE-3, eagle3 heads only).
+    "medusa" (original), "vllm", "speculators" or "sglang" (EAGLE-3 in speculators' or the research layout, eagle3
+    heads only).
 
     `base_model`, a path or a loaded model, supplies the LM head that vLLM's format stores for shared-LM-head
     heads and the sizes a "version 2" Medusa checkpoint does not record, and is checked against the heads (and
@@ -403,16 +396,17 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
 
         base_model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype="auto")
     base_lm_head = base_model.get_output_embeddings() if base_model is not None else None
+    spec = inspect_base_model(base_model) if base_model is not None else None
     config, state_dict = read_heads(src_dir, base_lm_head,
-                                    base_model.get_input_embeddings() if base_model is not None else None)
+                                    base_model.get_input_embeddings() if base_model is not None else None,
+                                    spec.num_layers if spec is not None else None)
     if dtype is not None:
         state_dict = {key: value.to(dtype) if value.is_floating_point() else value
                       for key, value in state_dict.items()}
     if (Path(src_dir) / io.LORA_DIR).exists():
         warnings.warn(f"{Path(src_dir) / io.LORA_DIR} (a LoRA adapter for the base model) is not converted; merge it "
                       f"into the base model to serve it with an engine", stacklevel=2)
-    if base_model is not None:
-        spec = inspect_base_model(base_model)
+    if spec is not None:
         for key in ("hidden_size", "vocab_size"):
             if getattr(config, key) not in (None, getattr(spec, key)):
                 raise ValueError(f"{src_dir}: heads have {key}={getattr(config, key)} but the base model "
@@ -426,6 +420,8 @@ def convert(src_dir: str | Path, dst_dir: str | Path, to: str = "medusa_spec",
         write_medusa(dst_dir, config, state_dict, base_lm_head)
     elif to == "speculators":
         write_speculators(dst_dir, config, state_dict, base_model)
+    elif to == "sglang":
+        write_sglang(dst_dir, config, state_dict)
     else:
         write_vllm(dst_dir, config, state_dict, base_lm_head)
 
@@ -442,11 +438,14 @@ def _files_in_the_way(path: Path, to: str) -> list[str]:
     except (OSError, ValueError):  # none, or unreadable: not a Medusa config.json
         config_format = None
     own = {"medusa_spec": {CONFIG_NAME, io.WEIGHTS_NAME, io.LORA_DIR}, "medusa": {HF_CONFIG, *MEDUSA_WEIGHTS},
-           "vllm": {HF_CONFIG, VLLM_WEIGHTS}, "speculators": {HF_CONFIG, VLLM_WEIGHTS}}[to]
+           "vllm": {HF_CONFIG, VLLM_WEIGHTS}, "speculators": {HF_CONFIG, VLLM_WEIGHTS},
+           "sglang": {HF_CONFIG, VLLM_WEIGHTS, PICKLED_WEIGHTS}}[to]
     if to != "medusa_spec" and config_format != to:
-        own -= {HF_CONFIG, VLLM_WEIGHTS}  # config.json and vLLM's weights beside it are another format's or model's
-    found = names & {CONFIG_NAME, io.WEIGHTS_NAME, io.LORA_DIR, HF_CONFIG, *MEDUSA_WEIGHTS, VLLM_WEIGHTS}
-    if to in ("vllm", "speculators"):
+        # config.json and the weights beside it are another format's or model's
+        own -= {HF_CONFIG, VLLM_WEIGHTS, PICKLED_WEIGHTS}
+    found = names & {CONFIG_NAME, io.WEIGHTS_NAME, io.LORA_DIR, HF_CONFIG, *MEDUSA_WEIGHTS, VLLM_WEIGHTS,
+                     PICKLED_WEIGHTS}
+    if to in ("vllm", "speculators", "sglang"):
         found |= {name for name in names if name.endswith(".safetensors")}  # vLLM reads every one in the folder
     return sorted(found - own)
 

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -248,6 +249,27 @@ def read_weights_folder(path: Path, holder: str) -> tuple[dict[str, torch.Tensor
     for file in files:
         tensors.update(read_safetensors(file))
     return tensors, files[0] if len(files) == 1 else path
+
+
+def read_weights_file(file: Path, safetensors_name: str) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file, or of a pickled state dict (.pt, .bin), read with weights_only;
+    `safetensors_name` is the file to save them in instead, for the message when the pickle holds other objects."""
+    if file.suffix == ".safetensors":
+        return read_safetensors(file)
+    try:
+        # weights_only: a .pt file is a pickle, and unpickling anything but tensors can run arbitrary code.
+        data = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{file} holds Python objects besides tensors, which torch.load(weights_only=True) refuses; "
+                         f"if you trust the file, load it with weights_only=False and save its tensors with "
+                         f"safetensors.torch.save_file as {safetensors_name}") from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise ValueError(f"{file} is truncated or corrupt ({err}); re-download it") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in data.items()):
+        raise ValueError(f"{file} is not a state dict of tensors; save the heads' state_dict() in it")
+    # The original Medusa reuses one ResBlock for all layers of a head ([ResBlock] * L), so its tensors can share
+    # storage; clones make them independent (and savable: safetensors refuses shared tensors).
+    return {key: value.clone() for key, value in data.items()}
 
 
 def read_safetensors(file: Path) -> dict[str, torch.Tensor]:

@@ -101,7 +101,7 @@ class MedusaModel(nn.Module):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be the adapter folder (a str or Path), got {type(path).__name__}")
         config, state_dict = formats.read_heads(path, base_model.get_output_embeddings(),
-                                                base_model.get_input_embeddings())
+                                                base_model.get_input_embeddings(), spec.num_layers)
         _check_sizes(config, spec, source=str(path))
         # Compared by last path component: the same model is "org/name" on a hub and ".../name" on disk.
         if (config.base_model_name_or_path and spec.name_or_path

@@ -16,6 +16,7 @@ or refused by name: none is ignored.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def read_speculators(path: str | Path,
         raise ValueError(f"{path / HF_CONFIG}: eagle_aux_hidden_state_layer_ids is not set; write the verifier's "
                          f"layer ids there (speculators' default is [2, N // 2, N - 3] for N decoder layers)")
     tensors, source = io.read_weights_folder(path, "a speculators")
-    return config, _state_dict(tensors, config, source, base_embeddings)
+    return config, draft_state_dict(tensors, config, source, base_embeddings)
 
 
 def _default_proposal(speculators_config: Any, path: Path) -> dict:
@@ -111,9 +112,12 @@ def _default_proposal(speculators_config: Any, path: Path) -> dict:
     return chosen
 
 
-def _state_dict(tensors: dict[str, torch.Tensor], config: MedusaConfig, source,
-                base_embeddings: nn.Module | None) -> dict[str, torch.Tensor]:
-    """The folder's tensors -> medusa_spec's state dict, every one checked (names, shapes, vocabulary maps)."""
+def draft_state_dict(tensors: dict[str, torch.Tensor], config: MedusaConfig, source,
+                     base_embeddings: nn.Module | None,
+                     name: Callable[[str], str] = lambda key: key) -> dict[str, torch.Tensor]:
+    """A draft's tensors under speculators' names -> medusa_spec's state dict, every one checked (names, shapes,
+    vocabulary maps; embed_tokens.weight against `base_embeddings`). `name` gives a speculators name as the folder
+    writes it, for messages."""
     tensors = dict(tensors)
     for key in ("verifier_lm_head.weight", "verifier_norm.weight"):
         tensors.pop(key, None)  # the verifier's own, for speculators' training targets: not the draft's
@@ -139,7 +143,8 @@ def _state_dict(tensors: dict[str, torch.Tensor], config: MedusaConfig, source,
                          f"other ids; vLLM would use it and speculators would not: make draft_vocab_size the number "
                          f"of d2t's entries, or drop d2t and t2d")
     expected = io.expected_shapes(config, source)
-    io.check_weights(expected, state, source, name=lambda key: key.removeprefix(PREFIX).replace("token_map", "d2t"),
+    io.check_weights(expected, state, source,
+                     name=lambda key: name(key.removeprefix(PREFIX).replace("token_map", "d2t")),
                      fix="the folder is incomplete, or its config.json is not its weights'")
     return state
 
@@ -181,6 +186,18 @@ def write_speculators(path: str | Path, config: MedusaConfig, state_dict: dict[s
         raise ValueError(f"{path}: speculators' EAGLE-3 format holds eagle3 heads, not {config.head_type} heads (a "
                          f"different architecture); train eagle3 heads (medusa-spec train --head-type eagle3), or keep "
                          f"these in medusa_spec's format (--to medusa_spec)")
+    tensors = draft_tensors(config, state_dict)
+    if base_model is not None:
+        tensors["embed_tokens.weight"] = base_model.get_input_embeddings().weight.detach().contiguous().cpu()
+    with io.staged_save(path, (WEIGHTS, HF_CONFIG)) as staged:
+        save_file(tensors, str(staged / WEIGHTS), metadata={"format": "pt"})
+        io.write_json(staged / HF_CONFIG, speculators_config(config, tensors["lm_head.weight"].dtype, base_model))
+
+
+def draft_tensors(config: MedusaConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Eagle3 heads' tensors under speculators' names, on the CPU: the draft's own, and for a reduced vocabulary d2t
+    (offsets) and t2d (a mask), in token-id order with lm_head's rows permuted to match, as speculators builds them
+    (its training reads the verifier's LM head rows in that order)."""
     tensors = {key.removeprefix(PREFIX): value.detach().contiguous().cpu() for key, value in state_dict.items()
                if key.startswith(PREFIX)}
     token_map = state_dict.get("token_map")
@@ -192,17 +209,14 @@ def write_speculators(path: str | Path, config: MedusaConfig, state_dict: dict[s
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[token_map] = True
         tensors["t2d"] = t2d
-    if base_model is not None:
-        tensors["embed_tokens.weight"] = base_model.get_input_embeddings().weight.detach().contiguous().cpu()
-    with io.staged_save(path, (WEIGHTS, HF_CONFIG)) as staged:
-        save_file(tensors, str(staged / WEIGHTS), metadata={"format": "pt"})
-        io.write_json(staged / HF_CONFIG, speculators_config(config, tensors["lm_head.weight"].dtype, base_model))
+    return tensors
 
 
 def speculators_config(config: MedusaConfig, dtype: torch.dtype, base_model: nn.Module | None = None) -> dict:
     """config.json of eagle3 heads: what the heads' config says, over what it kept from the folder it was read from
-    (source_config), over speculators' own defaults."""
-    source = copy.deepcopy(config.source_config)
+    (source_config: only the fields a speculators config keeps, so those another format kept stay out), over
+    speculators' own defaults."""
+    source = {key: copy.deepcopy(value) for key, value in config.source_config.items() if key in KEPT}
     spec_config = source.pop("speculators_config", None) or {
         "algorithm": "eagle3", "default_proposal_method": "greedy",
         "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3,

@@ -18,8 +18,8 @@ from medusa_spec import MedusaConfig, MedusaModel
 from medusa_spec.cli import main
 from medusa_spec.formats import FORMATS, convert, read_heads
 
-# The formats of Medusa heads; speculators' holds eagle3 heads only (tests/test_eagle3.py).
-MEDUSA_FORMATS = [fmt for fmt in FORMATS if fmt != "speculators"]
+# The formats of Medusa heads; speculators' and sglang hold eagle3 heads only (tests/test_eagle3*.py).
+MEDUSA_FORMATS = [fmt for fmt in FORMATS if fmt not in ("speculators", "sglang")]
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
