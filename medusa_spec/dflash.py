@@ -229,14 +229,14 @@ class DFlashDraft(nn.Module):
         """features [B, T, n H] (the context's auxiliary states), block_tokens [B, S], positions [B, T + S] (the
         context's, then the block's), context_visible [B, T] bool -> logits [B, S, draft vocab] at every slot."""
         context = self.hidden_norm(self.fc(features))
-        x = self.embed_tokens(block_tokens)
+        x = self.embed_tokens(block_tokens).to(context.dtype)  # the base's embeddings may be in another dtype
         cos, sin = self.rotary_emb(features, positions)
         masks = {}
         for layer in self.layers:
             if layer.sliding_window not in masks:
                 masks[layer.sliding_window] = self.mask(positions, context_visible, layer.sliding_window)
             x = layer(x, context, cos, sin, masks[layer.sliding_window])
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))
 
     def mask(self, positions: torch.Tensor, context_visible: torch.Tensor, window: int | None) -> torch.Tensor:
         """[B, 1, S, T + S] bool: the block sees the visible context and itself; in a sliding layer only context

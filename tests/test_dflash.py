@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -108,6 +109,21 @@ def test_the_draft_shares_the_verifiers_embeddings_and_reads_a_reduced_lm_head_f
     assert torch.equal(reduced.lm_head.weight, load_file(FIXTURES / "qwen3-1-layer" / "model.safetensors")
                        ["lm_head.weight"])
     assert reduced.token_map.shape == (40,) and not reduced.training
+
+
+def test_a_base_in_another_dtype_drafts_with_the_drafts_own(verifier):
+    """A bfloat16 base: the shared embeddings and LM head meet the float32 draft; the blocks come out close to the
+    float32 base's."""
+    half = copy.deepcopy(verifier).to(torch.bfloat16)
+    name = "qwen3-2-layers-full-vocab-from-anchor"  # its lm_head is the base's: bfloat16 here
+    text = torch.tensor([EXPECTED["texts"][0]])
+    got = []
+    for base in (verifier, half):
+        draft = load_dflash(FIXTURES / name, base)
+        with torch.no_grad():
+            got.append(block_logits(draft, context_features(base, draft, text)[:, :6], text[:, 6]))
+    assert got[1].dtype == torch.bfloat16 and got[1].shape == got[0].shape == (1, 4, 96)
+    torch.testing.assert_close(got[1].float(), got[0], atol=0.5, rtol=0.05)
 
 
 # --- refusals -----------------------------------------------------------------------------------------------------
