@@ -4,8 +4,9 @@ from .accept import Sampling
 from .base import UnsupportedModelError
 from .config import MedusaConfig
 from .draft import generate_with_draft, self_draft
-from .generate import GenerateOutput, GenerationStats, generate_with_lookup
+from .generate import generate_with_lookup
 from .model import MedusaModel
+from .output import GenerateOutput, GenerationStats
 from .tree import DynamicTree, build_tree, default_tree, grow_tree, validate_choices
 
 __all__ = ["MedusaConfig", "MedusaModel", "GenerateOutput", "GenerationStats", "Sampling", "UnsupportedModelError",

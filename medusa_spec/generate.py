@@ -1,6 +1,6 @@
 """Entry points that decode with Medusa heads and prompt lookup: they build the proposer and run the one loop
 (loop.decode). The loop's parts live in their own modules: inputs (arguments), slots (prefill and the cache's
-slots), output (sequences and stats); the names are importable from here as before.
+slots), output (sequences and stats); import their names from there.
 """
 
 from __future__ import annotations
@@ -11,24 +11,15 @@ from transformers import GenerationConfig
 
 from .accept import Sampling
 from .base import BaseSpec, inspect_base_model
-from .inputs import (
-    TRANSFORMERS_SAMPLING_DEFAULTS,
-    UNSUPPORTED_WARPERS,
-    prepare_inputs,
-    resolve_sampling,
-    special_tokens,
-)
+from .inputs import resolve_sampling, special_tokens
 from .lookup import LOOKUP_TOKENS, with_lookup
-from .loop import decode, eval_mode
+from .loop import decode
 from .model import MedusaModel
-from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
+from .output import GenerateOutput
 from .propose import heads_proposer
-from .slots import last_position, node_positions, prefill
 from .tree import MedusaTree, build_tree
 
-__all__ = ["generate", "generate_with_lookup", "GenerateOutput", "GenerationStats", "SequenceWriter", "stream",
-           "TRANSFORMERS_SAMPLING_DEFAULTS", "UNSUPPORTED_WARPERS", "resolve_sampling", "special_tokens",
-           "prepare_inputs", "prefill", "last_position", "node_positions", "eval_mode"]
+__all__ = ["generate", "generate_with_lookup"]
 
 
 def generate(base_model: nn.Module, spec: BaseSpec, heads: nn.Module | None, tree: MedusaTree, input_ids: torch.Tensor,

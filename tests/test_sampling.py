@@ -16,8 +16,13 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import medusa_spec.accept
 from medusa_spec import MedusaConfig, MedusaModel, Sampling
 from medusa_spec.accept import draw_targets, processed_probs
-from medusa_spec.generate import TRANSFORMERS_SAMPLING_DEFAULTS, generate_with_lookup, resolve_sampling
-from medusa_spec.inputs import UNSUPPORTED_PROCESSORS, UNSUPPORTED_WARPERS
+from medusa_spec.generate import generate_with_lookup
+from medusa_spec.inputs import (
+    TRANSFORMERS_SAMPLING_DEFAULTS,
+    UNSUPPORTED_PROCESSORS,
+    UNSUPPORTED_WARPERS,
+    resolve_sampling,
+)
 from tiny_models import tiny_model
 
 VOCAB, ROWS, NEW = 6, 6000, 3
