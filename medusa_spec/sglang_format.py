@@ -17,7 +17,8 @@ It is speculators' EAGLE-3 with its default flags, one Llama layer and three aux
   the input of layer id + 1 (transformers' hidden_states[id + 1]); without ids it captures the inputs of layers
   [2, N // 2, N - 3] of the verifier's N, speculators' default;
 - SGLang's first layer keeps g itself as its residual and feeds back the layer's output before the final norm:
-  norm_before_residual and norm_output false, as are norm_before_fc and fc_norm (it has neither).
+  speculators' norm_before_residual and norm_output false, as are norm_before_fc and fc_norm (it has neither). A
+  research config's norm_output is SpecForge's: true (its default) scores lm_head(norm(h)), as SGLang does.
 
 Every config field is either read, kept verbatim (source_config["sglang"], written back), or refused by name; flags
 this layout cannot express (qwen3 layers, more layers, other auxiliary-layer counts, the norm flags, biases) are
@@ -57,6 +58,7 @@ ROPE_FIELDS = ("rope_theta", "rope_scaling")
 # sliding-window ones, off).
 KEPT = ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "max_window_layers", "sliding_window",
         "use_sliding_window")
+# norm_output is SpecForge's (true, its default: the LM head reads norm(h)), not speculators' (feed norm(h) back).
 READ = ("architectures", "draft_vocab_size", "eagle_config", "target_hidden_size", "bias", *NORM_FLAGS)
 EAGLE_CONFIG_KEYS = ("eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state")
 
@@ -81,7 +83,13 @@ def read_sglang(path: str | Path, base_embeddings: nn.Module | None = None,
         raise ValueError(f"{file}: field(s) {unknown} are not part of the EAGLE-3 research layout as SGLang's "
                          f"{ARCHITECTURE} reads it; they may change how the draft computes, so it is refused rather "
                          f"than read without them")
-    for flag in (*NORM_FLAGS, "bias", "use_sliding_window", "tie_word_embeddings"):
+    if meta.get("norm_output", True) is not True:
+        raise ValueError(f"{file}: norm_output {meta['norm_output']!r}: SpecForge then scores the draft's state "
+                         f"without its final norm, which SGLang's {ARCHITECTURE} applies, so this draft would compute "
+                         f"otherwise there: not read (SpecForge's norm_output is not speculators': true, its default, "
+                         f"is the usual lm_head(norm(h)))")
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "bias", "use_sliding_window",
+                 "tie_word_embeddings"):
         if meta.get(flag) not in (None, False):
             raise ValueError(f"{file}: {flag} is {meta[flag]!r}; SGLang's {ARCHITECTURE} " + (
                 "ties the draft's LM head to the verifier's embeddings with it" if flag == "tie_word_embeddings" else
@@ -215,7 +223,8 @@ def check_writable(config: MedusaConfig, path) -> None:
     for flag in NORM_FLAGS:
         if spec[flag]:
             raise ValueError(f"{path}: {flag} is true; SGLang's {ARCHITECTURE} has no such setting (it computes as "
-                             f"if false), so it would draft otherwise than these heads: {fix}")
+                             f"if false; SpecForge's norm_output is another setting), so it would draft otherwise than "
+                             f"these heads: {fix}")
     layer = spec["transformer_layer_config"]
     if layer["model_type"] != "llama":
         raise ValueError(f"{path}: transformer_layer_config.model_type is {layer['model_type']!r}; SGLang's "

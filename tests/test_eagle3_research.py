@@ -124,11 +124,24 @@ def broken_copy(research: Path, tmp_path: Path, config=None, tensors=None) -> Pa
     return folder
 
 
+def test_specforges_flags_at_their_defaults_and_its_sliding_window_fields_are_read(verifier, research, tmp_path):
+    """SpecForge's Qwen3 configs (a Llama draft layer) carry norm_output true, fc_norm false and the sliding-window
+    fields, off: the same draft; those fields are kept and written back."""
+    folder = broken_copy(research, tmp_path, config={"norm_output": True, "fc_norm": False, "sliding_window": 4096,
+                                                     "use_sliding_window": False, "max_window_layers": 48})
+    mm = MedusaModel.from_pretrained(verifier, folder)
+    assert mm.teacher_forced_drafts(torch.tensor(EXPECTED["texts"][0]), 3).tolist() == EXPECTED["drafts"]["llama"][0]
+    convert(folder, tmp_path / "back", to="sglang", base_model=verifier)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["max_window_layers"], back["use_sliding_window"], back["sliding_window"]) == (48, False, 4096)
+
+
 @pytest.mark.parametrize(("config", "tensors", "message"), [
     ({"architectures": ["LlamaForCausalLMEagle3", "X"]}, None, r"architectures \['LlamaForCausalLMEagle3', 'X'\]"),
     ({"fc_norm": True}, None, "fc_norm is True; SGLang's LlamaForCausalLMEagle3 has no such setting"),
     ({"norm_before_residual": True}, None, "norm_before_residual is True"),
     ({"bias": True}, None, "bias is True"),
+    ({"norm_output": False}, None, "norm_output False: SpecForge then scores the draft's state without its final norm"),
     ({"tie_word_embeddings": True}, None, "ties the draft's LM head to the verifier's embeddings"),
     ({"logit_scale": 2.0}, None, r"field\(s\) \['logit_scale'\] are not part of the EAGLE-3 research layout"),
     ({"model_type": "qwen3"}, None, "model_type 'qwen3'"),
