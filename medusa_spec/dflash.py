@@ -8,7 +8,7 @@ the heads and the loop do not use it.
 What the reference does (paths under speculators/models/dflash/ unless named; speculators 0.9.0):
 - Config (config.py:28-82): speculators_model_type "dflash"; transformer_layer_config, the draft's decoder layers
   (a Qwen3Config by default, any model_type's config class otherwise, config.py:89-100); draft_vocab_size (default
-  32000; equal to transformer_layer_config.vocab_size: no reduced vocabulary); block_size (default 8);
+  32000; below transformer_layer_config.vocab_size, the verifier's, the vocabulary is reduced); block_size (default 8);
   target_hidden_size; aux_hidden_state_layer_ids (the verifier's layers, transformers' hidden_states[i] numbering:
   convert/dflash/converter.py:118-125 adds one to z-lab's ids for that); mask_token_id (a verifier token id, required
   to draft, core.py:309-317); sliding_window_non_causal (default false); sample_from_anchor (default false).
@@ -25,7 +25,7 @@ What the reference does (paths under speculators/models/dflash/ unless named; sp
 - A block (core.py:406-434): for an anchor at position a, the block's tokens are [x_a, m, ..., m] (m = mask_token_id)
   at positions a .. a + block_size - 1, embedded with the verifier's embeddings; the context is g = hidden_norm(fc(
   aux states)) at every position before a.
-- Attention (model_definitions.py:110-155; attention.py:7-100): queries come from the block only; keys and values
+- Attention (model_definitions.py:97-155; attention.py:7-100): queries come from the block only; keys and values
   from [g of the context, the block's own states], each through the same k_proj / v_proj (+ k_norm), in every layer
   (the context is never updated by the layers). Rotary angles at the positions above; q takes the block's
   (model_definitions.py:42). A block sees the whole context before its anchor and all of its own positions
@@ -40,7 +40,9 @@ speculators itself drafts blocks only inside training (_backbone_forward, anchor
 that leave a whole block, utils.py:21-68); tests/fixtures/dflash/make_fixtures.py has it draft at every anchor. Here
 one block is drafted after a whole context, as at decoding: the anchor is the token after the context. The layers are
 written out (speculators defines its own, model_definitions.py) from transformers' Qwen3 parts: RMSNorm, MLP, rotary
-embedding; attention is torch's scaled_dot_product_attention over one boolean mask.
+embedding; attention is torch's scaled_dot_product_attention over one boolean mask. Refused here though speculators
+builds them: layer configs of another model_type than qwen3 (speculators reads them into Qwen3 layers as well), and
+aux layer id N of an N-layer base (vLLM's last-layer state, unnormed; transformers' hidden_states[N] is normed).
 """
 
 from __future__ import annotations
