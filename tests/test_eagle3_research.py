@@ -23,6 +23,7 @@ from tiny_models import tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
 EXPECTED = json.loads((FIXTURES / "expected_drafts.json").read_text())
+GOLDEN = FIXTURES / "eagle-repo"  # written by the EAGLE repo's own draft model: make_research_fixture.py
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,38 @@ def test_without_ids_the_auxiliary_layers_are_sglangs_default_for_the_base(resea
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids is not set.*pass the base model"):
         convert(folder, tmp_path / "out", to="medusa_spec")
     assert not (tmp_path / "out").exists()
+
+
+def test_drafts_equal_the_eagle_repos_own_at_every_depth_and_position(verifier):
+    """A draft the EAGLE repo's own model (cnets.Model) saved as its published drafts are (pytorch_model.bin) and the
+    tokens that model drafts (tests/fixtures/eagle3/make_research_fixture.py): read as it is, every one equal; read
+    with the auxiliary states one layer lower (the ids without SGLang's + 1), not."""
+    golden = json.loads((GOLDEN / "expected_drafts.json").read_text())
+    mm = MedusaModel.from_pretrained(verifier, GOLDEN)
+    assert mm.config.feature_layers == [1, 2, 3] and mm.config.draft_vocab_size == 40
+    texts = [torch.tensor(text) for text in golden["texts"]]
+    assert [mm.teacher_forced_drafts(text, golden["depth"]).tolist() for text in texts] == golden["drafts"]
+    assert all(len(set(row)) >= 4 for rows in golden["drafts"] for row in rows)
+    mm.heads.feature_layers = [0, 1, 2]
+    assert [mm.teacher_forced_drafts(text, golden["depth"]).tolist() for text in texts] != golden["drafts"]
+
+
+def test_the_eagle_repos_draft_converts_to_the_same_tensors_and_config(verifier, tmp_path):
+    """Written again: its tensors but the embeddings (SGLang takes the verifier's) and its config, with rope_scaling
+    stated; through speculators' format and back, the same again."""
+    convert(GOLDEN, tmp_path / "sglang", to="sglang", base_model=verifier)
+    want = torch.load(GOLDEN / "pytorch_model.bin", weights_only=True)
+    del want["embed_tokens.weight"]
+    got = load_file(tmp_path / "sglang" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    meta = json.loads((GOLDEN / "config.json").read_text())
+    assert json.loads((tmp_path / "sglang" / "config.json").read_text()) == {**meta, "rope_scaling": None}
+    convert(tmp_path / "sglang", tmp_path / "speculators", to="speculators", base_model=verifier)
+    convert(tmp_path / "speculators", tmp_path / "back", to="sglang", base_model=verifier)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == got.keys() and all(torch.equal(back[k], got[k]) for k in got)
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == \
+        {key: value for key, value in meta.items() if key != "transformers_version"} | {"rope_scaling": None}
 
 
 # --- refusals -------------------------------------------------------------------------------------------------------
