@@ -13,16 +13,27 @@ from functools import partial
 
 import torch
 
+from . import loop
+from .base import model_device_dtype
 from .columnwise import PackedWeights, columnwise_copy
 from .kv_cache import new_cache
-from .loop import wait_for
 from .output import GenerationStats
-from .propose import Candidates, HostStep, Prompt, Proposer, StepResult, heads_proposer
+from .propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult, heads_proposer
 from .slots import prefill
-from .tree import DynamicTree, build_tree, chain_tree, grow_tree
-from .verify import forward_block
+from .tree import DynamicTree, MedusaTree, build_tree, chain_tree, default_tree, grow_tree
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+# The trees tree=None times (and MedusaModel.auto_tree by default): 1, 2, 4, ..., 64 nodes after 64 tokens, the
+# fastest of 2 runs. For SmolLM2-135M on a 2-core CPU that took a quarter of the time CANDIDATE_SIZES' 14 sizes after
+# 256 tokens, fastest of 5, took, and both chose the same tree: the prompt's length changes little in a verify pass
+# of a few nodes.
+AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
+AUTO_CONTEXT = 64
+AUTO_REPEATS = 2
+# tree=None times its steps for one row and for PROBE_ROWS rows, once, and models every other batch size from the
+# two (StepCosts.at); the probe times the sizes whose PROBE_ROWS x nodes rows stay within the largest size timed for
+# one row, which are the sizes a batch chooses from.
+PROBE_ROWS = 4
 # AdaptiveTree re-chooses every ADAPT_EVERY steps; the held-out accuracy weighs as PRIOR_ROW_STEPS rows' steps of
 # evidence, so a few lucky or unlucky steps move the choice little.
 ADAPT_EVERY = 8
@@ -43,10 +54,10 @@ def _fastest_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
     times = {key: [] for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
-            wait_for(device)
+            loop.wait_for(device)
             start = time.perf_counter()
             fn()
-            wait_for(device)
+            loop.wait_for(device)
             times[key].append(time.perf_counter() - start)
     return {key: min(seconds) for key, seconds in times.items()}
 
@@ -56,9 +67,9 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
                        rank_accuracy=None, batch: int = 1, packs: PackedWeights | None = None,
                        dynamic: bool = False) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of one step of drafting n nodes,
-    for each n in sizes, `batch` rows at once (a batch verifies batch x n rows): as the decoding loop runs them,
-    the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept) and
-    proposing, then one verify pass through Slots, whose slots are dropped again. The trees timed are those
+    for each n in sizes, `batch` rows at once (a batch verifies batch x n rows): through the decoding loop's own
+    stages, the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept)
+    and proposing, then loop.verify, whose slots loop.commit drops again. The trees timed are those
     choose_tree weighs, grown from `rank_accuracy` (default: equal accuracies): a dependent head's drafting cost
     is one call per tree depth, so a tree of the same size but another shape costs another time (over a full 49k
     vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms).
@@ -78,11 +89,9 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     no_rows = torch.zeros(batch, dtype=torch.long, device=device)
 
     def verify(candidates: Candidates) -> torch.Tensor:
-        """As the decoding loop verifies, then commits nothing: the cache stays at `context`."""
-        q_pos, kv_valid, kv_pos = slots.verify_inputs(candidates.tree.depth)
-        _, verified = forward_block(base, spec, candidates.node_tokens, q_pos, candidates.tree.tree_mask,
-                                    slots.cache, kv_valid, kv_pos, feature_layers=layers)
-        slots.commit(keep_nothing, no_rows, no_rows)
+        """As the decoding loop verifies, then a commit in which no row goes on: the cache stays at `context`."""
+        _, verified = loop.verify(base, spec, slots, candidates, layers)
+        loop.commit(slots, keep_nothing, no_rows, no_rows.bool())
         return verified
 
     if dynamic:
@@ -109,20 +118,25 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     return latency, draft_seconds
 
 
-def dynamic_tree(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5, batch: int = 1,
-                 packs: PackedWeights | None = None) -> DynamicTree:
-    """generate(tree=None)'s tree for eagle heads: a DynamicTree whose step costs, for every size from 1 node to as
-    many as its beam drafts (at most max(sizes)), are those measured by measure_step_costs(dynamic=True) at `sizes`
-    and linearly interpolated between them; each step then takes the size with the most expected tokens per ms."""
+def dynamic_sizes(mm, sizes=AUTO_SIZES) -> list[int]:
+    """The dynamic tree sizes measure_costs times for eagle heads: 1, as many as its beam drafts (at most
+    max(sizes)), and the sizes between."""
     shape = default_dynamic_tree(mm)
     drafted = shape.top_k + (mm.config.num_heads - 1) * shape.beam * shape.top_k  # candidates a step ranks
     most = min(max(sizes), drafted + 1)
-    measured = sorted({1, most} | {n for n in sizes if n < most})
-    latency, draft_seconds = measure_step_costs(mm, measured, context, repeats, batch=batch, packs=packs, dynamic=True)
+    return sorted({1, most} | {n for n in sizes if n < most})
+
+
+def priced_dynamic_tree(mm, latency: dict[int, float], draft_seconds: dict[int, float]) -> DynamicTree:
+    """generate(tree=None)'s tree for eagle heads: a DynamicTree whose step costs, for every size from 1 node to the
+    largest priced, are latency + draft_seconds (measured or modelled for a batch: StepCosts.at) and linearly
+    interpolated between them; each step then takes the size with the most expected tokens per ms."""
+    priced = sorted(latency)
     # A size costs at least what a smaller one does: a timing above a larger size's is noise (a busy moment).
-    step_ms = [1000 * min(latency[m] + draft_seconds[m] for m in measured if m >= n) for n in measured]
-    return dataclasses.replace(shape, nodes=most, step_ms=tuple(interpolate(measured, step_ms, n)
-                                                                 for n in range(1, most + 1)))
+    step_ms = [1000 * min(latency[m] + draft_seconds[m] for m in priced if m >= n) for n in priced]
+    most = priced[-1]
+    return dataclasses.replace(default_dynamic_tree(mm), nodes=most,
+                               step_ms=tuple(interpolate(priced, step_ms, n) for n in range(1, most + 1)))
 
 
 def candidate_tokens(mm) -> int:
@@ -152,8 +166,7 @@ def deepest_step(candidates: Candidates, hidden: torch.Tensor, bonus: torch.Tens
     tree = candidates.tree
     last_node = tree.depth.argmax().expand(bonus.shape[0])
     accept_length = tree.depth[last_node]
-    path = tree.node_paths[last_node]  # [B, D+1]: the root and every node of the path
-    new_tokens = torch.cat([candidates.node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
+    path, new_tokens = loop.accepted_path(candidates, last_node, accept_length, bonus)  # as acceptance builds them
     row = torch.ones_like(bonus, dtype=torch.bool)
     host = HostStep(accept_length.tolist(), row.tolist(), new_tokens.tolist(), row.tolist())
     return StepResult(candidates, hidden, last_node, accept_length, path, new_tokens, row, row, host)
@@ -204,9 +217,10 @@ def best_tree(table: list[dict], rank_accuracy) -> dict:
 
 
 class AdaptiveTree(Proposer):
-    """generate(tree=None)'s proposer: `proposer` (the heads') on the tree of choose_tree's `table` (this
-    machine's step costs) with the most expected tokens per second, re-chosen every ADAPT_EVERY steps for the
-    accuracy the heads show on this text (calibrated_accuracy).
+    """generate(tree=None)'s proposer: `proposer` (the heads') drafting, through its propose_on, on the tree of
+    choose_tree's `table` (this machine's step costs) with the most expected tokens per second, re-chosen every
+    ADAPT_EVERY steps for the accuracy the heads show on this text (calibrated_accuracy). It hands `proposer` the
+    tree each step rather than setting it on `proposer`: a wrapper writes nothing into the proposer it wraps.
 
     Why not keep the first choice: held-out accuracies come from text like the training data and overrate the
     heads elsewhere. SmolLM2's shipped heads expect 1.85 tokens/step of their 4-node tree and take 1.53 on
@@ -235,8 +249,7 @@ class AdaptiveTree(Proposer):
 
     def propose(self, root: torch.Tensor) -> Candidates:
         tree = self.trees[self.row["nodes"]]
-        self.proposer.layout = tree
-        candidates = self.proposer.propose(root)
+        candidates = self.proposer.propose_on(root, tree)
         self.guess = candidates.node_tokens[:, 1] if tree.choices[:1] == ((0,),) else None
         self.sizes.append(self.row["nodes"])
         if self.row["nodes"] == 1:
@@ -260,3 +273,117 @@ class AdaptiveTree(Proposer):
     def finish(self, stats: GenerationStats) -> None:
         self.proposer.finish(stats)
         stats.tree_sizes = self.sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Seconds of a step's verify pass (verify) and drafting (draft) per tree size, {rows: {nodes: seconds}},
+    measured for one row and for probe_rows rows; `at` models any batch size from them."""
+
+    verify: dict[int, dict[int, float]]
+    draft: dict[int, dict[int, float]]
+    probe_rows: int
+
+    def at(self, batch: int) -> tuple[dict[int, float], dict[int, float]]:
+        """(verify seconds, drafting seconds) per tree size for `batch` rows: measured for one row and for probe_rows;
+        for any other batch, the one-row cost plus, for each row past the first, the cost per row the probe added
+        (a pass streams the weights once whatever its rows, and each row adds its nodes' arithmetic and its own
+        context; a row never makes a step cheaper, so a probe that timed below one row adds nothing). A batch
+        chooses among the sizes the probe timed."""
+        if batch in self.verify:
+            return dict(self.verify[batch]), dict(self.draft[batch])
+
+        def model(costs: dict[int, dict[int, float]]) -> dict[int, float]:
+            one, probe = costs[1], costs[self.probe_rows]
+            return {n: one[n] + (batch - 1) * max(0.0, probe[n] - one[n]) / (self.probe_rows - 1) for n in probe}
+
+        return model(self.verify), model(self.draft)
+
+
+def measure_costs(mm, packs: PackedWeights | None = None, dynamic: bool = False, sizes=AUTO_SIZES,
+                  context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS) -> StepCosts:
+    """StepCosts of `mm`'s heads on this machine (measure_step_costs for one row and for PROBE_ROWS rows): static
+    trees grown from the heads' rank accuracies, or with `dynamic` eagle heads' DynamicTree (dynamic_sizes)."""
+    one_row = dynamic_sizes(mm, sizes) if dynamic else list(sizes)
+    probed = [n for n in one_row if n * PROBE_ROWS <= max(sizes)] or [1]
+    measured = {}
+    for rows, timed in ((1, one_row), (PROBE_ROWS, probed)):
+        measured[rows] = measure_step_costs(mm, sizes=timed, context=context, repeats=repeats,
+                                            rank_accuracy=None if dynamic else rank_accuracy(mm.config),
+                                            batch=rows, packs=packs, dynamic=dynamic)
+    return StepCosts({rows: costs[0] for rows, costs in measured.items()},
+                     {rows: costs[1] for rows, costs in measured.items()}, PROBE_ROWS)
+
+
+def rank_accuracy(config) -> list[list[float]] | None:
+    """The heads' held-out rank accuracies (metrics.eval.rank_accuracy), one row per head; None without them."""
+    accuracy = config.metrics.get("eval", {}).get("rank_accuracy")
+    return accuracy[: config.num_heads] if accuracy else None
+
+
+class TreeChoice:
+    """tree=None's choices for one MedusaModel, in one place: the step costs of its base model, measured at the
+    first call for each device, dtype and kind of tree (static, or eagle heads' dynamic one) and kept (costs differ
+    by orders of magnitude between devices and dtypes, and moving the model must not keep costs timed elsewhere),
+    and the trees they give each batch size, modelled without timing anything more (StepCosts.at).
+    `packs`: the MedusaModel's packed weights, which the timed steps compute from as generate's do."""
+
+    def __init__(self, packs: PackedWeights | None = None):
+        self.packs = packs
+        self.costs: dict[tuple[torch.device, torch.dtype, bool], StepCosts] = {}
+
+    def step_costs(self, mm, dynamic: bool = False) -> StepCosts:
+        device, dtype = model_device_dtype(mm.base_model)
+        if (device, dtype, dynamic) not in self.costs:  # timed on tokens of their own generator
+            self.costs[device, dtype, dynamic] = measure_costs(mm, self.packs, dynamic)
+        return self.costs[device, dtype, dynamic]
+
+    def table(self, mm, batch: int = 1) -> list[dict]:
+        """choose_tree's table for `batch` rows: a row per tree size (rank paths, verify and drafting ms, expected
+        figures), from the heads' rank accuracies and the step costs modelled for that batch."""
+        return choose_tree(rank_accuracy(mm.config), *self.step_costs(mm).at(batch))[1]
+
+    def dynamic_tree(self, mm, batch: int = 1) -> DynamicTree:
+        """Eagle heads' DynamicTree priced for `batch` rows (priced_dynamic_tree)."""
+        return priced_dynamic_tree(mm, *self.step_costs(mm, dynamic=True).at(batch))
+
+    def choices(self, mm, batch: int = 1) -> list[list[int]]:
+        """The rank paths tree=None starts from for `batch` rows: with rank accuracies the best of table(batch)
+        (best_tree), else the adapter's stored tree, else default_tree(num_heads)."""
+        accuracy = rank_accuracy(mm.config)
+        if not accuracy:
+            return mm.config.tree or default_tree(mm.config.num_heads)
+        return best_tree(self.table(mm, batch), accuracy)["tree"]
+
+    def proposer(self, mm, tree: list[list[int]] | DynamicTree | None, batch: int) -> Proposer:
+        """generate's proposer for `tree`. None: eagle heads drafting one row, a priced DynamicTree (a batch shares
+        one dynamic tree and drafts its whole beam for every row: on a 2-core CPU, for 4 MT-bench rows, it ran at
+        1.72x transformers where the root alone ran at 1.97x, and the static trees below at 1.92x,
+        scripts/bench_batch.py); other heads and batches with rank accuracies, AdaptiveTree over table(batch), or
+        no speculation at all (RootOnly, as tree=[]) where the step costs say no tree pays for this batch even at
+        the held-out accuracies, which overrate the heads on most text; else the heads on choices(batch).
+        A DynamicTree or rank paths are kept as given; [] is RootOnly."""
+        accuracy = rank_accuracy(mm.config)
+        eagle = getattr(mm.heads, "draft_layer", None) is not None
+        packs = self.packs
+        if isinstance(tree, DynamicTree) or (tree is None and eagle and batch == 1):
+            guesses = candidate_tokens(mm)
+            if tree is not None and tree.top_k > guesses:  # else topk fails inside torch at the first step
+                raise ValueError(f"DynamicTree top_k={tree.top_k} is more than the heads' {guesses} candidate tokens; "
+                                 f"use top_k <= {guesses}")
+            return heads_proposer(mm.base_model, mm.heads, self.dynamic_tree(mm, batch) if tree is None else tree,
+                                  packs)
+        if tree is None and accuracy:
+            chosen, table = choose_tree(accuracy, *self.step_costs(mm).at(batch))
+            if not chosen:
+                return RootOnly()
+            # The root alone still drafts its one guess (AdaptiveTree's evidence): the heads' proposer on [[0]].
+            first = best_tree(table, accuracy)["tree"] or [[0]]
+            return AdaptiveTree(heads_proposer(mm.base_model, mm.heads, build_tree(first), packs), table, accuracy)
+        return heads_proposer(mm.base_model, mm.heads, self.medusa_tree(mm, tree, batch), packs)
+
+    def medusa_tree(self, mm, tree: list[list[int]] | None, batch: int = 1) -> MedusaTree:
+        """The MedusaTree of `tree`'s rank paths, or for None those of choices(batch)."""
+        # top_k: a rank past the heads' guesses would fail inside topk at the first step.
+        return build_tree(self.choices(mm, batch) if tree is None else tree, mm.config.num_heads,
+                          top_k=candidate_tokens(mm))

@@ -23,8 +23,8 @@ from .columnwise import PackedWeights, columnwise_copy
 from .inputs import prepare_inputs
 from .kv_cache import new_cache
 from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
-from .propose import HostStep, Prompt, Proposer, StepResult
-from .slots import last_position, prefill
+from .propose import Candidates, HostStep, Prompt, Proposer, StepResult
+from .slots import Slots, last_position, prefill
 from .verify import forward_block
 
 
@@ -144,18 +144,14 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         while not done:
             # 2. Propose.
             candidates = proposer.propose(root)
-            node_tokens, tree = candidates.node_tokens, candidates.tree
+            tree = candidates.tree
             lap("propose")
-            # 3. Verify: one pass over every node; node i sits at position next_pos + depth(i).
-            q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
-            logits, hidden = forward_block(base_model, spec, node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
-                                           kv_pos, feature_layers=layers)
+            # 3. Verify: one pass over every node.
+            logits, hidden = verify(base_model, spec, slots, candidates, layers)
             lap("verify")
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
             last_node, accept_length, bonus = accept_candidates(candidates, logits, sampling)
-            path = tree.node_paths[last_node]  # [B, D+1]: root, accepted nodes, then repeats
-            new_tokens = torch.cat([node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
-            new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
+            path, new_tokens = accepted_path(candidates, last_node, accept_length, bonus)
             active = ~writer.finished
             accepted_at_depth[: tree.max_depth] += (
                 accept_length[:, None] > torch.arange(tree.max_depth, device=device)).masked_fill(
@@ -177,11 +173,9 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             proposer.update(StepResult(candidates, hidden, last_node, accept_length, path[:, :longest],
                                        new_tokens[:, :longest], active, going, host))
             lap("propose")  # the proposer's own bookkeeping (a state, a cache, an index) is drafting work
-            # 5. Commit: keep each row's accepted path in the cache (rows that accepted fewer than the longest
-            # get invalid slots: sync points), then move the root forward. A finished row stays in the batch
-            # but stands still: no valid slots, no new positions.
-            n_kept = (accept_length + 1) * going
-            slots.commit(path[:, :longest], n_kept, n_kept)
+            # 5. Commit: keep each row's accepted path in the cache, then move the root forward. A finished row
+            # stays in the batch but stands still.
+            commit(slots, path[:, :longest], accept_length, going)
             root = bonus
             stream(streamer, new_tokens, counts[0])
             lap("commit")
@@ -192,3 +186,32 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
     proposer.finish(stats)
     stats.wall_time = time.perf_counter() - start
     return writer.output(stats)
+
+
+def verify(base_model: nn.Module, spec: BaseSpec, slots: Slots, candidates: Candidates,
+           feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify stage: one pass of the base model over every node of `candidates`, node i at position
+    next_pos + depth(i), its slots appended to `slots` until commit. -> logits [B, N, V], hidden [B, N, H]
+    (then the feature layers' states). autotree times this very function."""
+    tree = candidates.tree
+    q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
+    return forward_block(base_model, spec, candidates.node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
+                         kv_pos, feature_layers=feature_layers)
+
+
+def accepted_path(candidates: Candidates, last_node: torch.Tensor, accept_length: torch.Tensor,
+                  bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What acceptance keeps: last_node, accept_length, bonus [B] -> (path [B, D+1]: the root, the accepted nodes,
+    then repeats; new_tokens [B, D+1]: the accepted tokens, the bonus at accept_length, then the path's)."""
+    path = candidates.tree.node_paths[last_node]
+    new_tokens = torch.cat([candidates.node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
+    new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
+    return path, new_tokens
+
+
+def commit(slots: Slots, kept: torch.Tensor, accept_length: torch.Tensor, going: torch.Tensor) -> None:
+    """The commit stage: keep each going row's root and accepted nodes, kept [B, m] (the path's first m slots),
+    in the cache; a row that accepted fewer gets invalid slots (sync points), a finished row keeps none and stands
+    still (no valid slots, no new positions)."""
+    n_kept = (accept_length + 1) * going
+    slots.commit(kept, n_kept, n_kept)

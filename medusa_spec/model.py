@@ -22,16 +22,7 @@ from .inputs import resolve_sampling, special_tokens
 from .lookup import with_lookup
 from .loop import StepTimer, Streamer, decode
 from .output import GenerateOutput
-from .propose import heads_proposer
-from .tree import DynamicTree, MedusaTree, build_tree, default_tree
-
-# The trees auto_tree() times by default (--tree auto, and tree=None once): 1, 2, 4, ..., 64 nodes after 64 tokens,
-# the fastest of 2 runs. For SmolLM2-135M on a 2-core CPU (a decoding step 67 ms) that took 2.1 s, where
-# autotree.CANDIDATE_SIZES' 14 sizes after 256 tokens, fastest of 5, took 8.6 s; both chose 4 nodes. The prompt's
-# length changes little in a verify pass of a few nodes.
-AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
-AUTO_CONTEXT = 64
-AUTO_REPEATS = 2
+from .tree import DynamicTree, MedusaTree
 
 
 class MedusaModel(nn.Module):
@@ -44,13 +35,10 @@ class MedusaModel(nn.Module):
         self.base_model = base_model
         self.config = config
         self.heads = heads
-        # tree=None's measured trees per (device, dtype, batch) of the base model: costs differ by orders of magnitude
-        # between them, and moving the model after a first generate() must not keep a table timed elsewhere.
-        self._measured_trees: dict[tuple[torch.device, torch.dtype, int], list[dict]] = {}
-        self._dynamic_trees: dict[tuple[torch.device, torch.dtype, int], DynamicTree] = {}  # the same, eagle heads
         # The base model's fp32 CPU weights in oneDNN's layout, packed at the first generate() and kept while they
         # hold the same values (see columnwise.PackedWeights); here, not on the caller's model.
         self._packed_weights = PackedWeights()
+        self._trees = autotree.TreeChoice(self._packed_weights)  # tree=None's step costs and choices
 
     @property
     def spec(self) -> BaseSpec:
@@ -133,49 +121,38 @@ class MedusaModel(nn.Module):
 
     def tree(self, tree: list[list[int]] | None = None, batch: int = 1) -> MedusaTree:
         """The MedusaTree generate() uses: `tree`'s rank paths, or for None those of default_choices(batch)."""
-        # top_k: a rank past the heads' guesses would fail inside topk at the first step.
-        return build_tree(self.default_choices(batch) if tree is None else tree, self.config.num_heads,
-                          top_k=self.config.draft_vocab_size or self.spec.vocab_size)
+        return self._trees.medusa_tree(self, tree, batch)
 
     def default_choices(self, batch: int = 1) -> list[list[int]]:
         """The rank paths `tree=None` starts from, for a batch of `batch` rows. With rank accuracies in the adapter's
         metrics (metrics.eval.rank_accuracy): the best of tree_table(batch) (autotree.best_tree), which generate then
         keeps re-choosing from as the heads' accuracy on the text comes in (autotree.AdaptiveTree); without them,
         the adapter's stored tree, else default_tree(num_heads)."""
-        rank_accuracy = self._rank_accuracy()
-        if not rank_accuracy:
-            return self.config.tree or default_tree(self.config.num_heads)
-        return autotree.best_tree(self.tree_table(batch), rank_accuracy)["tree"]
+        return self._trees.choices(self, batch)
 
     def tree_table(self, batch: int = 1) -> list[dict]:
-        """The trees `tree=None` chooses from, for a batch of `batch` rows: auto_tree(batch=batch)'s table (a row
-        per tree size: rank paths, verify and drafting milliseconds, expected figures). Measured at the first call
-        (about 2 s for SmolLM2-135M on a 2-core CPU) and kept on this MedusaModel for the base model's device and
-        dtype and the batch size (a batch verifies batch x nodes rows: on CPU it can afford fewer nodes)."""
-        device, dtype = model_device_dtype(self.base_model)
-        if (device, dtype, batch) not in self._measured_trees:  # timed on tokens of its own generator (autotree)
-            self._measured_trees[device, dtype, batch] = self.auto_tree(batch=batch)[1]
-        return self._measured_trees[device, dtype, batch]
+        """The trees `tree=None` chooses from, for a batch of `batch` rows: a row per tree size (rank paths, verify
+        and drafting milliseconds, expected figures). The step costs are timed at the first call, for one row and
+        for autotree.PROBE_ROWS rows, and kept on this MedusaModel for the base model's device and dtype; any batch
+        size is modelled from them (autotree.StepCosts.at: a batch verifies batch x
+        nodes rows, so on a CPU it can afford fewer nodes) without timing anything more."""
+        return self._trees.table(self, batch)
 
     def dynamic_tree(self, batch: int = 1) -> DynamicTree:
         """tree=None's tree for eagle heads, for a batch of `batch` rows: a DynamicTree (EAGLE-2) whose size each step
-        chooses from the draft's own probabilities and this machine's step costs (autotree.dynamic_tree), measured at
-        the first call (about 2 s for SmolLM2-135M on a 2-core CPU) and kept as tree_table keeps its table."""
-        device, dtype = model_device_dtype(self.base_model)
-        if (device, dtype, batch) not in self._dynamic_trees:
-            self._dynamic_trees[device, dtype, batch] = autotree.dynamic_tree(
-                self, AUTO_SIZES, AUTO_CONTEXT, AUTO_REPEATS, batch, self._packed_weights)
-        return self._dynamic_trees[device, dtype, batch]
+        chooses from the draft's own probabilities and this machine's step costs (autotree.priced_dynamic_tree),
+        timed at the first call and kept as tree_table keeps its costs."""
+        return self._trees.dynamic_tree(self, batch)
 
-    def auto_tree(self, context: int = AUTO_CONTEXT, sizes: Sequence[int] = AUTO_SIZES,
-                  repeats: int = AUTO_REPEATS, batch: int = 1) -> tuple[list[list[int]], list[dict]]:
+    def auto_tree(self, context: int = autotree.AUTO_CONTEXT, sizes: Sequence[int] = autotree.AUTO_SIZES,
+                  repeats: int = autotree.AUTO_REPEATS, batch: int = 1) -> tuple[list[list[int]], list[dict]]:
         """The tree with the most expected tokens per second on this machine: verify-pass and drafting latency
-        measured for trees of `sizes` nodes (the fastest of `repeats` runs), value from the rank accuracies
-        measured in training (metrics.eval.rank_accuracy). Returns (rank paths, the table of candidates).
-        Measures at each call; generate(tree=None) measures once and keeps the choice. A finer grid:
+        measured for trees of `sizes` nodes (the fastest of `repeats` runs), `batch` rows, value from the rank
+        accuracies measured in training (metrics.eval.rank_accuracy). Returns (rank paths, the table of candidates).
+        Measures at each call; generate(tree=None) measures once and keeps the costs. A finer grid:
         sizes=autotree.CANDIDATE_SIZES."""
         _check_heads_follow(self.base_model, self.heads)
-        rank_accuracy = self._rank_accuracy()
+        rank_accuracy = autotree.rank_accuracy(self.config)
         if not rank_accuracy:
             raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
                              "with an eval split or run `medusa-spec tree --model ... --data ...` first")
@@ -183,10 +160,6 @@ class MedusaModel(nn.Module):
                                                              rank_accuracy=rank_accuracy, batch=batch,
                                                              packs=self._packed_weights)
         return autotree.choose_tree(rank_accuracy, latency, draft_seconds)
-
-    def _rank_accuracy(self) -> list[list[float]] | None:
-        rank_accuracy = self.config.metrics.get("eval", {}).get("rank_accuracy")
-        return rank_accuracy[: self.config.num_heads] if rank_accuracy else None
 
     @torch.no_grad()
     def teacher_forced_drafts(self, input_ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
@@ -250,10 +223,12 @@ class MedusaModel(nn.Module):
         picks one. Eagle heads draft a DynamicTree (EAGLE-2) for one row, each step's size chosen from the draft's
         probabilities and step costs measured at the first call on this machine (see dynamic_tree). Other heads, and
         eagle heads for a batch, see default_choices: with the adapter's rank accuracies, the tree with the most
-        expected tokens per second for step costs measured at the first call on this machine, for this batch size (a
-        few seconds; then kept on this MedusaModel), re-chosen every few steps for how often the heads guess right on
-        this text (down to the root alone; stats.tree_sizes shows each step's), else the adapter's stored tree; an
-        explicit tree is kept as given; `[]` turns speculation off (one token per step, same loop).
+        expected tokens per second for step costs measured once, at the first call on this machine (a few seconds;
+        then kept on this MedusaModel), and modelled for this batch size (see tree_table), re-chosen every few steps
+        for how often the heads guess right on this text (down to the root alone; stats.tree_sizes shows each
+        step's), or no speculation at all where the costs say no tree pays for this batch; without accuracies the
+        adapter's stored tree. An explicit tree is kept as given; `[]` turns speculation off (one token per step,
+        same loop). Which proposer each `tree` gives: autotree.TreeChoice.proposer.
         `lookup_tokens` > 0 also verifies a chain of up to that many candidates (its length adapts each step)
         copied from an earlier occurrence of the text's last n-gram in the prompt, the output or `documents`
         (lists of token ids), in the same pass. `timer`: a
@@ -265,26 +240,7 @@ class MedusaModel(nn.Module):
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id, generation_config)
         spec = self.spec
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
-        rank_accuracy = self._rank_accuracy()
-        # Eagle heads, one row: a dynamic tree. A batch shares one tree and drafts its whole beam for every row: on a
-        # 2-core CPU, for 4 MT-bench rows, it ran at 1.72x transformers where the root alone ran at 1.97x, and the
-        # static trees below at 1.92x (scripts/bench_batch.py), so batches keep those.
-        eagle = getattr(self.heads, "draft_layer", None) is not None
-        if isinstance(tree, DynamicTree) or (tree is None and eagle and batch == 1):
-            guesses = autotree.candidate_tokens(self)
-            if tree is not None and tree.top_k > guesses:  # else topk fails inside torch at the first step
-                raise ValueError(f"DynamicTree top_k={tree.top_k} is more than the heads' {guesses} candidate tokens; "
-                                 f"use top_k <= {guesses}")
-            dynamic = self.dynamic_tree(batch) if tree is None else tree
-            proposer = heads_proposer(self.base_model, self.heads, dynamic, self._packed_weights)
-        elif tree is None and rank_accuracy:
-            table = self.tree_table(batch)
-            # The root alone still drafts its one guess (AdaptiveTree's evidence): the heads' proposer on [[0]].
-            first = autotree.best_tree(table, rank_accuracy)["tree"] or [[0]]
-            drafting = heads_proposer(self.base_model, self.heads, build_tree(first), self._packed_weights)
-            proposer = autotree.AdaptiveTree(drafting, table, rank_accuracy)
-        else:
-            proposer = heads_proposer(self.base_model, self.heads, self.tree(tree, batch), self._packed_weights)
+        proposer = self._trees.proposer(self, tree, batch)
         proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
                       streamer, timer, self._packed_weights, generation_config)

@@ -168,7 +168,12 @@ class HeadsProposer(Proposer):
             torch.full_like(prompt.root, input_ids.shape[1] - 1))
 
     def propose(self, root: torch.Tensor) -> Candidates:
-        return Candidates(draft_with_heads(self.heads, self.base_model, root, self.state, self.layout), self.layout)
+        return self.propose_on(root, self.layout)
+
+    def propose_on(self, root: torch.Tensor, tree: MedusaTree) -> Candidates:
+        """The candidates on `tree` (on the root's device) instead of the proposer's own layout, for a wrapper that
+        chooses the tree each step (autotree.AdaptiveTree)."""
+        return Candidates(draft_with_heads(self.heads, self.base_model, root, self.state, tree), tree)
 
     def update(self, step: StepResult) -> None:
         hidden = step.hidden
@@ -215,7 +220,11 @@ class DraftLayerProposer(Proposer):
         self.root_output = outputs[:, -1]
 
     def propose(self, root: torch.Tensor) -> Candidates:
-        tree, heads, slots = self.layout, self.heads, self.slots
+        return self.propose_on(root, self.layout)
+
+    def propose_on(self, root: torch.Tensor, tree: MedusaTree) -> Candidates:
+        """The candidates on `tree` (on the root's device) instead of the proposer's own layout (see HeadsProposer)."""
+        heads, slots = self.heads, self.slots
         lm_head = self.base_model.get_output_embeddings()
         node_tokens = root[:, None].expand(-1, tree.num_nodes).clone()
         bounds = tree.level_bounds

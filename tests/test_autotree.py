@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from medusa_spec import MedusaConfig, MedusaModel, autotree, model, propose
+from medusa_spec import MedusaConfig, MedusaModel, autotree, loop, propose
 from medusa_spec.autotree import choose_tree, expected_tokens_per_step
 from medusa_spec.context import ContextLayer
 from tiny_models import tiny_model
@@ -37,13 +37,14 @@ def fake_clock(monkeypatch) -> list[float]:
 
 
 def verify_a_millisecond_a_node(monkeypatch, clock: list[float]) -> None:
-    forward_block = autotree.forward_block
+    """The decoding loop's verify stage moves the clock a millisecond a node."""
+    verify = loop.verify
 
-    def verify(model, spec, node_tokens, *args, **kwargs):
-        clock[0] += 0.001 * node_tokens.shape[1]
-        return forward_block(model, spec, node_tokens, *args, **kwargs)
+    def timed(model, spec, slots, candidates, *args, **kwargs):
+        clock[0] += 0.001 * candidates.node_tokens.shape[1]
+        return verify(model, spec, slots, candidates, *args, **kwargs)
 
-    monkeypatch.setattr(autotree, "forward_block", verify)
+    monkeypatch.setattr(loop, "verify", timed)
 
 
 def test_auto_tree_measures_this_machine(monkeypatch):
@@ -59,7 +60,7 @@ def test_auto_tree_measures_this_machine(monkeypatch):
         assert row["step_ms"] == pytest.approx(row["nodes"]), row
     # The CLI's --tree auto and tree=None time the same short grid (2 s for SmolLM2-135M, not 8.6 s).
     # (A size larger than the accuracies' 7 candidates gives the 7-node tree.)
-    assert {row["nodes"] for row in table} == {1, 2, 4, 7} == {min(n, 7) for n in model.AUTO_SIZES}
+    assert {row["nodes"] for row in table} == {1, 2, 4, 7} == {min(n, 7) for n in autotree.AUTO_SIZES}
     assert tree in [row["tree"] for row in table]
     out = mm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, eos_token_id=[], tree=tree)
     assert out.stats.new_tokens == [5]
@@ -106,3 +107,92 @@ def test_auto_tree_times_the_trees_its_accuracies_grow(monkeypatch):
     monkeypatch.setattr(propose, "draft_with_heads", recording)
     mm.auto_tree(context=32, sizes=(1, 2, 3, 4))
     assert depths[3] == 2 and depths[4] == 2  # [[0], [0, 0]] and [[0], [0, 0], [1]], not [[0], [1], [2]]
+
+
+def with_accuracies() -> MedusaModel:
+    return MedusaModel.from_base(tiny_model("llama"),
+                                 MedusaConfig(num_heads=2, metrics={"eval": {"rank_accuracy": ACCURACY}}))
+
+
+def counting(monkeypatch, module, name: str) -> list:
+    """Replace module.name with a wrapper that records each call's arguments, then calls it."""
+    calls, function = [], getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
+def test_timing_runs_the_decoding_loops_own_stages(monkeypatch):
+    """autotree times the loop's verify and commit stages themselves, not a copy of them: replacing loop.verify and
+    loop.commit reaches every timed pass (a warm-up, then each repeat, per size) and every decoding step alike."""
+    mm = with_accuracies()
+    verified, committed = counting(monkeypatch, loop, "verify"), counting(monkeypatch, loop, "commit")
+    autotree.measure_step_costs(mm, sizes=(1, 2, 4), context=16, repeats=2, rank_accuracy=ACCURACY)
+    assert len(verified) == len(committed) == 3 * (1 + 2)
+    assert sorted({args[3].node_tokens.shape[1] for args, _ in verified}) == [1, 2, 4]
+    verified.clear()
+    out = mm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, eos_token_id=[], tree=[[0], [0, 0]])
+    assert len(verified) == out.stats.steps - 1  # one verify pass a step after the prefill
+
+
+def test_a_new_batch_size_times_nothing(monkeypatch):
+    """The step costs are timed once, at the first call (for one row and for PROBE_ROWS rows); a call at any other
+    batch size after it runs only its own decoding steps: no timing pass, its tree modelled from those costs."""
+    mm = with_accuracies()
+    measured = counting(monkeypatch, autotree, "measure_step_costs")
+    verified = counting(monkeypatch, loop, "verify")
+    ids = torch.randint(3, 100, (8, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = mm.base_model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    mm.generate(ids[:1], max_new_tokens=6, eos_token_id=[])
+    assert [kwargs["batch"] for _, kwargs in measured] == [1, autotree.PROBE_ROWS]
+    for rows in (2, 3, 8, 5):
+        verified.clear()
+        out = mm.generate(ids[:rows], max_new_tokens=6, eos_token_id=[])
+        assert len(verified) == out.stats.steps - 1, rows  # the decoding steps alone
+        assert torch.equal(out.sequences, reference[:rows])
+    assert len(measured) == 2
+    assert len(mm.tree_table(7)) > 0 and len(measured) == 2
+
+
+def test_a_batchs_step_costs_are_modelled_from_one_row_and_the_probe():
+    """StepCosts.at: the measured figures at one row and at the probe's rows; for another batch the one-row cost plus
+    each row past the first at the probe's cost per row, never less than one row's (a probe timed below it)."""
+    costs = autotree.StepCosts(verify={1: {1: 0.010, 2: 0.012, 4: 0.020}, 4: {1: 0.013, 2: 0.024}},
+                               draft={1: {1: 0.0, 2: 0.002, 4: 0.003}, 4: {1: 0.0, 2: 0.001}}, probe_rows=4)
+    assert costs.at(1) == ({1: 0.010, 2: 0.012, 4: 0.020}, {1: 0.0, 2: 0.002, 4: 0.003})
+    assert costs.at(4) == ({1: 0.013, 2: 0.024}, {1: 0.0, 2: 0.001})
+    verify, draft = costs.at(7)  # 6 rows more, each a third of what the probe's 3 added
+    assert verify == pytest.approx({1: 0.010 + 6 * 0.001, 2: 0.012 + 6 * 0.004}) and draft == {1: 0.0, 2: 0.002}
+    verify, _ = costs.at(2)
+    assert verify == pytest.approx({1: 0.011, 2: 0.016})
+
+
+def test_a_batch_where_no_tree_pays_decodes_without_drafting(monkeypatch):
+    """Step costs flat in the nodes for one row and steep for the probe's rows: one row speculates, while a batch,
+    whose modelled costs say no tree pays even at the held-out accuracies, runs as tree=[] does: no drafting at all
+    (not even AdaptiveTree's one guess a step), output still transformers' greedy."""
+    def costs(*args, sizes, batch, **kwargs):
+        if batch == 1:
+            return dict.fromkeys(sizes, 0.01), dict.fromkeys(sizes, 0.0)
+        return {n: 0.01 + 0.04 * (n - 1) for n in sizes}, dict.fromkeys(sizes, 0.0)
+
+    monkeypatch.setattr(autotree, "measure_step_costs", costs)
+    mm = with_accuracies()
+    drafted = counting(monkeypatch, propose, "draft_with_heads")
+    ids = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = mm.base_model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    one = mm.generate(ids[:1], max_new_tokens=8, eos_token_id=[])
+    assert drafted and one.stats.tree_sizes and max(one.stats.tree_sizes) > 1
+    drafted.clear()
+    for rows in (2, 3):
+        out = mm.generate(ids[:rows], max_new_tokens=8, eos_token_id=[])
+        off = mm.generate(ids[:rows], max_new_tokens=8, eos_token_id=[], tree=[])
+        assert torch.equal(out.sequences, reference[:rows]) and torch.equal(out.sequences, off.sequences)
+        assert out.stats.tree_sizes is None and out.stats.steps == off.stats.steps
+    assert drafted == [] and mm.default_choices(2) == []

@@ -150,10 +150,11 @@ def test_decoding_on_dynamic_trees_is_lossless(arch, head_type, seed):
     # tree=None: one row drafts a dynamic tree, a batch keeps the static trees (see MedusaModel.generate).
     out = mm.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[])
     assert all(torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]) for b, row in enumerate(rows))
-    assert not mm._dynamic_trees
+    dynamic_costs = (torch.device("cpu"), torch.float32, True)  # the dynamic tree's step costs, on this device
+    assert dynamic_costs not in mm._trees.costs
     out = mm.generate(rows[0][None], max_new_tokens=new, eos_token_id=[])
     assert torch.equal(out.sequences[0], texts[0]) and len(out.stats.tree_sizes) == out.stats.steps - 1
-    assert set(mm._dynamic_trees) == {(torch.device("cpu"), torch.float32, 1)}
+    assert set(mm._trees.costs) == {dynamic_costs}
 
 
 @pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
@@ -249,24 +250,29 @@ def test_a_dynamic_tree_needs_eagle_heads_and_sound_settings():
 def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
     """dynamic_tree times dynamic steps at 1, 2, 4, ... nodes up to as many as the beam drafts (3 heads, top-4,
     beam 4: 4 + 2 x 16 candidates), takes for each size the least time of it or any larger one (a smaller tree never
-    costs more; a larger timing below it was a busy moment), interpolates between them, and is kept per batch size."""
+    costs more; a larger timing below it was a busy moment), interpolates between them; the probe's rows time the
+    sizes up to 64 / PROBE_ROWS nodes once, and another batch size is priced from both without timing."""
     mm = eagle_heads(tiny_model("llama"), num_heads=3)
     calls = []
     seconds = {1: 0.040, 2: 0.050, 4: 0.030, 8: 0.050, 16: 0.060, 32: 0.080, 37: 0.090}
 
-    def measure(model, sizes, context, repeats, batch, packs, dynamic):
+    def measure(model, sizes, context, repeats, rank_accuracy, batch, packs, dynamic):
         calls.append((tuple(sizes), batch, dynamic))
-        return {n: seconds[n] for n in sizes}, dict.fromkeys(sizes, 0.005)
+        return {n: seconds[n] * (1 if batch == 1 else 2) for n in sizes}, dict.fromkeys(sizes, 0.005)
 
     monkeypatch.setattr(autotree, "measure_step_costs", measure)
-    tree = mm.dynamic_tree(2)
-    assert calls == [((1, 2, 4, 8, 16, 32, 37), 2, True)]
+    tree = mm.dynamic_tree(1)
+    assert calls == [((1, 2, 4, 8, 16, 32, 37), 1, True), ((1, 2, 4, 8, 16), autotree.PROBE_ROWS, True)]
     assert tree.nodes == 37 and len(tree.step_ms) == 37
     assert [round(tree.step_ms[n - 1], 6) for n in (1, 2, 3, 4, 6, 8, 16, 24, 37)] == \
         [35.0, 35.0, 35.0, 35.0, 45.0, 55.0, 65.0, 75.0, 95.0]
-    assert mm.dynamic_tree(2) is tree and len(calls) == 1
-    mm.dynamic_tree(1)
-    assert len(calls) == 2
+    assert mm.dynamic_tree(1) == tree and len(calls) == 2
+    # Two rows: each row past the first adds a third of what the probe's 3 added, up to the probe's 16 nodes.
+    two = mm.dynamic_tree(2)
+    assert len(calls) == 2 and two.nodes == 16
+    assert [round(two.step_ms[n - 1], 6) for n in (1, 4, 8, 16)] == \
+        [round(1000 * (4 / 3 * seconds[4] + 0.005), 6)] * 2 + [round(1000 * (4 / 3 * s + 0.005), 6)
+                                                              for s in (seconds[8], seconds[16])]
 
 
 def test_measured_dynamic_steps_time_the_dynamic_drafting(monkeypatch):

@@ -3,14 +3,15 @@ lookup (alone, or as a chain beside the Medusa tree). Greedy output equals trans
 sampled output follows the base model's distribution (chi-square, with a wrong rule shown rejected)."""
 
 import json
+import sys
 
 import pytest
 import torch
 
 import medusa_spec.accept
 import medusa_spec.lookup
-from medusa_spec import generate_with_draft, generate_with_lookup, self_draft
-from medusa_spec.accept import processed_probs
+from medusa_spec import autotree, generate_with_draft, generate_with_lookup, self_draft
+from medusa_spec.accept import Sampling, processed_probs
 from medusa_spec.cli import main
 from medusa_spec.draft import choose_draft_length, expected_tokens
 from medusa_spec.lookup import (
@@ -23,11 +24,13 @@ from medusa_spec.lookup import (
     next_chain_length,
     tree_with_chain,
 )
+from medusa_spec.loop import decode
 from medusa_spec.output import GenerationStats
-from medusa_spec.propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult
+from medusa_spec.propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult, heads_proposer
 from medusa_spec.tree import build_tree, chain_tree
 from test_bench import layers_move_the_clock
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
+from test_eagle import eagle_heads
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
 from test_sampling import SETTINGS, chi_square_p_value, exact_joint, triple_counts
 from tiny_models import VOCAB, tiny_model
@@ -534,3 +537,38 @@ def test_bench_compares_the_new_methods(model_dir, tmp_path, capsys):  # noqa: F
         assert summary[method]["equal_to_reference"] == 1.0, method
     assert summary["draft_model"]["acceptance_rate"] == 1.0  # the model drafting for itself
     assert "| overall | self_draft |" in (out / "bench.md").read_text()
+
+
+# --- wrappers ----------------------------------------------------------------------------------------------
+
+def watched(proposer: Proposer) -> Proposer:
+    """`proposer`, its class now recording each attribute set on it from outside its own methods (set_by_others)."""
+
+    class Watched(type(proposer)):
+        def __setattr__(self, name, value):
+            caller = sys._getframe(1).f_locals.get("self")
+            if caller is not self:
+                self.__dict__.setdefault("set_by_others", []).append((type(caller).__name__, name))
+            object.__setattr__(self, name, value)
+
+    proposer.__class__ = Watched
+    return proposer
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "eagle"])
+def test_wrappers_write_nothing_into_the_proposer_they_wrap(head_type):
+    """AdaptiveTree (tree=None's) and WithLookup drive the heads' proposer through its methods only: each step's
+    tree is handed to it (propose_on), never set on it, so the wrapped proposer's layout stays its own; decoding
+    through both stays transformers' greedy."""
+    model = tiny_model("llama")
+    mm = medusa(model, num_heads=2) if head_type == "medusa" else eagle_heads(model, num_heads=2)
+    accuracy = [[0.8, 0.1], [0.6, 0.1]]
+    costs = {n: 0.010 * (1 + 0.3 * n) for n in range(1, 8)}
+    table = autotree.choose_tree(accuracy, costs, dict.fromkeys(costs, 0.0))[1]
+    inner = watched(heads_proposer(model, mm.heads, build_tree([[0]])))
+    proposer = WithLookup(autotree.AdaptiveTree(inner, table, accuracy), [], 4)
+    ids = prompt(seed=5, batch=2)
+    out = decode(model, mm.spec, proposer, ids, None, 24, Sampling(), [], None)
+    assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=24, eos_token_id=None))
+    assert max(out.stats.tree_sizes) > 2  # AdaptiveTree drafted on trees other than the wrapped one's
+    assert inner.__dict__.get("set_by_others", []) == [] and inner.layout.choices == ((0,),)
