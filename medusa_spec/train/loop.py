@@ -237,7 +237,9 @@ def train(cfg: TrainConfig) -> dict:
             log({"step": done, "loss": round(last_loss, 4),
                  "head_ce": [round(x / micro_batches, 3) for x in accelerator.reduce(head_ce_sum, "mean").tolist()],
                  "lr": [float(f"{lr:.3g}") for lr in scheduler.get_last_lr()],
-                 "tokens_per_s": round(tokens * accelerator.num_processes / (time.perf_counter() - since))})
+                 "tokens_per_s": round(tokens * accelerator.num_processes / (time.perf_counter() - since)),
+                 "eta": clock(eta_seconds(time.perf_counter() - began, done - start_step,
+                                          0 if timed_out else max_steps - done, cfg.time_limit))})
             loss_sum.zero_()
             head_ce_sum.zero_()
             micro_batches, tokens, since = 0, 0, time.perf_counter()
@@ -531,6 +533,19 @@ def batch_indices(micro_step: int, num_rows: int, batch_size: int, num_processes
     order = epoch_order(num_rows, seed, epoch)
     start = (i * num_processes + process_index) * batch_size
     return order[start: start + batch_size].tolist()
+
+
+def eta_seconds(elapsed: float, steps_done: int, steps_left: int, time_limit: float | None) -> float:
+    """Seconds until the loop ends: `steps_left` more steps at this run's mean step time so far (evaluations and
+    checkpoints included), or --time-limit's end (minutes after the loop began) where that comes first."""
+    left = elapsed / max(steps_done, 1) * steps_left
+    return left if time_limit is None else max(0.0, min(left, 60 * time_limit - elapsed))
+
+
+def clock(seconds: float) -> str:
+    """H:MM:SS, as a log line's eta."""
+    s = round(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 TRAIN_LOG = "train_log.jsonl"
