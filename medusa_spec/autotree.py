@@ -321,6 +321,15 @@ def rank_accuracy(config) -> list[list[float]] | None:
     return accuracy[: config.num_heads] if accuracy else None
 
 
+def required_rank_accuracy(config) -> list[list[float]]:
+    """rank_accuracy(config), or a ValueError saying how to get them."""
+    accuracy = rank_accuracy(config)
+    if not accuracy:
+        raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
+                         "with an eval split or run `medusa-spec tree --model ... --data ...` first")
+    return accuracy
+
+
 class TreeChoice:
     """tree=None's choices for one MedusaModel, in one place: the step costs of its base model, measured at the
     first call for each device, dtype and kind of tree (static, or eagle heads' dynamic one) and kept (costs differ
@@ -341,7 +350,7 @@ class TreeChoice:
     def table(self, mm, batch: int = 1) -> list[dict]:
         """choose_tree's table for `batch` rows: a row per tree size (rank paths, verify and drafting ms, expected
         figures), from the heads' rank accuracies and the step costs modelled for that batch."""
-        return choose_tree(rank_accuracy(mm.config), *self.step_costs(mm).at(batch))[1]
+        return choose_tree(required_rank_accuracy(mm.config), *self.step_costs(mm).at(batch))[1]
 
     def dynamic_tree(self, mm, batch: int = 1) -> DynamicTree:
         """Eagle heads' DynamicTree priced for `batch` rows (priced_dynamic_tree)."""

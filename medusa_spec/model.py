@@ -152,10 +152,7 @@ class MedusaModel(nn.Module):
         Measures at each call; generate(tree=None) measures once and keeps the costs. A finer grid:
         sizes=autotree.CANDIDATE_SIZES."""
         _check_heads_follow(self.base_model, self.heads)
-        rank_accuracy = autotree.rank_accuracy(self.config)
-        if not rank_accuracy:
-            raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
-                             "with an eval split or run `medusa-spec tree --model ... --data ...` first")
+        rank_accuracy = autotree.required_rank_accuracy(self.config)
         latency, draft_seconds = autotree.measure_step_costs(self, sizes=sizes, context=context, repeats=repeats,
                                                              rank_accuracy=rank_accuracy, batch=batch,
                                                              packs=self._packed_weights)
