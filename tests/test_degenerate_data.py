@@ -56,7 +56,8 @@ def test_distill_stops_loudly_when_most_answers_are_degenerate_and_keeps_a_resum
     assert (stats["skipped_finished"], stats["written"]) == (19, 5)
     assert (stats["answers"], stats["degenerate"], stats["cut"]) == (5, 5, 5)
     assert sorted(r["id"] for r in read_records(output)) == sorted(p.id for p in prompts(24))
-    assert re.search(r"tok_per_s=\d+, degenerate=100%, cut=100%]", capsys.readouterr().err)
+    # The bar counts each conversation as it ends (5 of 5), not as its chunk of 16 is stored (0 of 5 before).
+    assert re.search(r"5/5 \[.*tok_per_s=\d+\.\d, degenerate=100%, cut=100%]", capsys.readouterr().err)
 
 
 def test_distill_goes_on_while_degenerate_answers_are_a_minority(base_dir, tmp_path):  # noqa: F811

@@ -360,9 +360,9 @@ def _distill(base_model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, p
                 batch, pending = pending, []  # handed over first: a Ctrl-C inside the write stores nothing twice
                 store.append(batch)
                 stats["written"] += len(batch)
-                bar.update(len(batch))
+            bar.update(stats["written"] + len(pending) - bar.n)  # each conversation as it ends, stored in sixteens
             # A dict, not keywords, which tqdm would sort: tokens/s first, the answers' shares beside it.
-            bar.set_postfix({"tok_per_s": f"{stats['new_tokens'] / (time.perf_counter() - start):.0f}",
+            bar.set_postfix({"tok_per_s": f"{stats['new_tokens'] / (time.perf_counter() - start):.1f}",
                              **watch.shares()})
     finally:  # finished conversations are kept whatever ends the run (a Ctrl-C included)
         pending = [r for r in pending if r["id"] not in store.done]
