@@ -87,11 +87,12 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     prompt = Prompt(ids, valid, hidden, root, None)
     keep_nothing = torch.zeros(batch, 0, dtype=torch.long, device=device)
     no_rows = torch.zeros(batch, dtype=torch.long, device=device)
+    none_going = no_rows.bool()
 
     def verify(candidates: Candidates) -> torch.Tensor:
         """As the decoding loop verifies, then a commit in which no row goes on: the cache stays at `context`."""
         _, verified = loop.verify(base, spec, slots, candidates, layers)
-        loop.commit(slots, keep_nothing, no_rows, no_rows.bool())
+        loop.commit(slots, keep_nothing, no_rows, none_going)
         return verified
 
     if dynamic:
