@@ -156,6 +156,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+@dataclass(frozen=True)
+class DFlashContext:
+    """What a block attends to besides itself, per draft layer: the context's keys and values [B, kv heads, T, d]
+    (keys after k_norm and rotary), valid [B, T] bool, positions [B, T]. Exact to keep from step to step: the layers
+    never update the context, so a slot's keys and values depend on its own features and position alone."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+
 class DFlashAttention(nn.Module):
     """speculators' Qwen3DFlashAttention: the block's queries over keys and values of [context, block]."""
 
@@ -171,18 +183,23 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H] (the block, normed), context [B, T, H] (g), cos/sin [B, T + S, d], mask [B, 1, S, T + S]
-        bool -> [B, S, H]."""
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, n, H] (context states g, or the block's normed states), cos/sin [B, n, d] -> keys, values
+        [B, kv heads, n, d]; the context's and the block's go through the same projections."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))).transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        return _rotate(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H] (the block, normed), context_k/v [B, kv heads, T, d], cos/sin [B, S, d] (the block's),
+        mask [B, 1, S, T + S] bool -> [B, S, H]."""
         batch, size = x.shape[:2]
-        both = torch.cat([context, x], dim=1)
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))).transpose(1, 2)
-        k = self.k_norm(self.k_proj(both).unflatten(-1, (self.kv_heads, self.head_dim))).transpose(1, 2)
-        v = self.v_proj(both).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
-        q, k = _rotate(q, cos[:, -size:], sin[:, -size:]), _rotate(k, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
         # enable_gqa repeats each key/value head for consecutive query heads, as transformers' repeat_kv does.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
+        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
                                              enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, size, -1))
 
@@ -201,16 +218,20 @@ class DFlashLayer(nn.Module):
         # A "sliding_attention" layer without a window attends as a full one (speculators' mask, attention.py:43).
         self.sliding_window = window if index < len(types) and types[index] == "sliding_attention" else None
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+    def forward(self, x: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DFlashDraft(nn.Module):
     """speculators' DFlashDraftModel for drafting: fc, hidden_norm, the layers, norm, lm_head over the draft vocabulary
     (token_map: draft index -> verifier token id, when reduced), and embed_tokens, the verifier's input embeddings.
-    Weights are named as speculators names them."""
+    Weights are named as speculators names them.
+
+    Drafting is two calls: `context` turns the base's auxiliary states into every layer's keys and values (once per
+    context slot: a decoding loop extends them by each step's accepted tokens), `forward` drafts one block over them;
+    `block_logits` does both for a whole context."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -226,29 +247,51 @@ class DFlashDraft(nn.Module):
         reduced = config.draft_vocab_size < config.vocab_size
         self.register_buffer("token_map", torch.arange(config.draft_vocab_size) if reduced else None)
 
-    def forward(self, features: torch.Tensor, block_tokens: torch.Tensor, positions: torch.Tensor,
-                context_visible: torch.Tensor) -> torch.Tensor:
-        """features [B, T, n H] (the context's auxiliary states), block_tokens [B, S], positions [B, T + S] (the
-        context's, then the block's), context_visible [B, T] bool -> logits [B, S, draft vocab] at every slot."""
-        context = self.hidden_norm(self.fc(features))
-        x = self.embed_tokens(block_tokens).to(context.dtype)  # the base's embeddings may be in another dtype
-        cos, sin = self.rotary_emb(features, positions)
-        masks = {}
-        for layer in self.layers:
-            if layer.sliding_window not in masks:
-                masks[layer.sliding_window] = self.mask(positions, context_visible, layer.sliding_window)
-            x = layer(x, context, cos, sin, masks[layer.sliding_window])
-        return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))
+    def context(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                past: DFlashContext | None = None) -> DFlashContext:
+        """features [B, T, n H] (the base's auxiliary states at T context slots), positions [B, T], valid [B, T] bool
+        -> `past` (None: nothing) followed by these slots: g = hidden_norm(fc(features)) through every layer's
+        k_proj / v_proj, as the layers read the context."""
+        g = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(g, positions)
+        kv = [layer.self_attn.keys_values(g, cos, sin) for layer in self.layers]
+        keys, values = tuple(k for k, _ in kv), tuple(v for _, v in kv)
+        if past is not None:
+            keys = tuple(torch.cat([old, new], dim=2) for old, new in zip(past.keys, keys))
+            values = tuple(torch.cat([old, new], dim=2) for old, new in zip(past.values, values))
+            valid, positions = torch.cat([past.valid, valid], dim=1), torch.cat([past.positions, positions], dim=1)
+        return DFlashContext(keys, values, valid, positions)
 
-    def mask(self, positions: torch.Tensor, context_visible: torch.Tensor, window: int | None) -> torch.Tensor:
-        """[B, 1, S, T + S] bool: the block sees the visible context and itself; in a sliding layer only context
-        positions >= the anchor's - window, and, unless sliding_window_non_causal, only earlier block slots."""
-        size = positions.shape[1] - context_visible.shape[1]
-        anchor = positions[:, -size, None]
-        sees_context = context_visible
+    def forward(self, context: DFlashContext, anchor: torch.Tensor, anchor_position: torch.Tensor) -> torch.Tensor:
+        """One block after `context`: anchor [B] (its first token), anchor_position [B] -> the block's states [B,
+        block_size, H] after the final norm (`project` scores them)."""
+        size = self.config.block_size
+        tokens = torch.full((len(anchor), size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
+        tokens[:, 0] = anchor
+        positions = anchor_position[:, None] + torch.arange(size, device=anchor.device)
+        dtype = self.fc.weight.dtype
+        x = self.embed_tokens(tokens).to(dtype)  # the base's embeddings may be in another dtype
+        cos, sin = self.rotary_emb(x, positions)
+        masks = {}
+        for layer, k, v in zip(self.layers, context.keys, context.values):
+            if layer.sliding_window not in masks:
+                masks[layer.sliding_window] = self.mask(context, positions, layer.sliding_window)
+            x = layer(x, k, v, cos, sin, masks[layer.sliding_window])
+        return self.norm(x)
+
+    def project(self, states: torch.Tensor) -> torch.Tensor:
+        """Block states [..., H] -> logits [..., draft vocab]."""
+        return self.lm_head(states.to(self.lm_head.weight.dtype))
+
+    def mask(self, context: DFlashContext, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """positions [B, S] (the block's) -> [B, 1, S, T + S] bool: the block sees the valid context and itself; in a
+        sliding layer only context positions >= the anchor's - window, and, unless sliding_window_non_causal, only
+        earlier block slots."""
+        size = positions.shape[1]
+        sees_context = context.valid
         sees_block = torch.ones(size, size, dtype=torch.bool, device=positions.device)
         if window is not None:
-            sees_context = sees_context & (positions[:, :-size] >= anchor - window)
+            sees_context = sees_context & (context.positions >= positions[:, :1] - window)
             if not self.config.sliding_window_non_causal:
                 sees_block = sees_block.tril()
         rows = sees_context[:, None, :].expand(-1, size, -1)
@@ -268,15 +311,10 @@ def block_logits(draft: DFlashDraft, features: torch.Tensor, anchor: torch.Tenso
     Slot k scores the token k positions after the anchor (k + 1 with sample_from_anchor); config.drafted_slots are
     the slots that draft. Positions count the real tokens, as transformers' generate does for left padding."""
     batch, length = features.shape[:2]
-    size, device = draft.config.block_size, features.device
-    visible = torch.ones(batch, length, dtype=torch.bool, device=device) if context_mask is None \
-        else context_mask.to(device=device, dtype=torch.bool)
-    context_positions = (visible.long().cumsum(-1) - 1).clamp(min=0)
-    anchor_position = visible.sum(-1, keepdim=True)
-    positions = torch.cat([context_positions, anchor_position + torch.arange(size, device=device)], dim=-1)
-    tokens = torch.full((batch, size), draft.config.mask_token_id, dtype=torch.long, device=device)
-    tokens[:, 0] = anchor
-    return draft(features.to(draft.fc.weight.dtype), tokens, positions, visible)
+    visible = torch.ones(batch, length, dtype=torch.bool, device=features.device) if context_mask is None \
+        else context_mask.to(device=features.device, dtype=torch.bool)
+    context = draft.context(features, (visible.long().cumsum(-1) - 1).clamp(min=0), visible)
+    return draft.project(draft(context, anchor, visible.sum(-1)))
 
 
 def propose_block(draft: DFlashDraft, features: torch.Tensor, anchor: torch.Tensor,
