@@ -2,8 +2,8 @@
 base model's auxiliary hidden states for a context and the token after it (the anchor), one pass of the draft scores
 every position of a block of `block_size` tokens at once (EAGLE drafts one depth per pass).
 
-DFlash is not yet a proposer in medusa_spec's decode loop: this module reads a draft and drafts blocks; MedusaModel,
-the heads and the loop do not use it.
+This module reads a draft and drafts blocks; dflash_propose.py drafts with it in the decode loop
+(generate_with_dflash). MedusaModel and its heads do not use it.
 
 What the reference does (paths under speculators/models/dflash/ unless named; speculators 0.9.0):
 - Config (config.py:28-82): speculators_model_type "dflash"; transformer_layer_config, the draft's decoder layers
@@ -60,7 +60,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from . import io
 from .config import read_json_object
-from .speculators_format import SPECULATORS_VERSION, _token_map
+from .speculators_format import SPECULATORS_VERSION, token_map
 
 HF_CONFIG = "config.json"
 # Fields of speculators' DFlash config that change nothing drafted: kept verbatim in DFlashConfig.source.
@@ -356,7 +356,7 @@ def load_dflash(path: str | Path, base_model: nn.Module) -> DFlashDraft:
                              f"to another model")
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if reduced:
-        tensors["token_map"] = _token_map(d2t, t2d, config.draft_vocab_size, config.vocab_size, source)
+        tensors["token_map"] = token_map(d2t, t2d, config.draft_vocab_size, config.vocab_size, source)
     elif d2t is not None and bool(d2t.any()):
         raise ValueError(f"{source}: d2t maps a draft over the whole vocabulary (draft_vocab_size = vocab_size) to "
                          f"other ids; make draft_vocab_size the number of d2t's entries, or drop d2t and t2d")

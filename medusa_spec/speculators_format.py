@@ -31,8 +31,8 @@ from .eagle3 import NORM_FLAGS
 HF_CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 PREFIX = "draft_layer."
-# speculators' other speculators_model_types: named when refused.
-OTHER_TYPES = ("dflash", "dflash2", "peagle", "mtp", "xpress", "dspark")
+# speculators' other speculators_model_types: named when refused (dflash drafts through dflash_propose, not as heads).
+OTHER_TYPES = ("dflash2", "peagle", "mtp", "xpress", "dspark")
 # Fields that change nothing medusa_spec drafts: kept verbatim (source_config) and written back.
 KEPT = ("architectures", "auto_map", "speculators_config", "speculators_version", "transformers_version", "dtype",
         "torch_dtype", "tie_word_embeddings", "embed_requires_grad", "has_no_defaults_at_init", "_name_or_path",
@@ -55,6 +55,10 @@ def read_speculators(path: str | Path,
     path = Path(path)
     meta = read_json_object(path / HF_CONFIG, fix="put the draft's config.json beside its weights")
     kind = meta.get("speculators_model_type")
+    if kind == "dflash":
+        raise ValueError(f"{path}: speculators_model_type 'dflash' is not supported as heads (they read speculators' "
+                         f"\"eagle3\" drafts): a DFlash draft drafts whole blocks; generate with it through "
+                         f"medusa_spec.generate_with_dflash(base_model, load_dflash(path, base_model), input_ids)")
     if kind != "eagle3":
         raise ValueError(f"{path}: speculators_model_type {kind!r} is not supported; medusa_spec reads speculators' "
                          f"\"eagle3\" drafts (not {', '.join(OTHER_TYPES)})")
@@ -137,7 +141,7 @@ def draft_state_dict(tensors: dict[str, torch.Tensor], config: MedusaConfig, sou
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     state = {PREFIX + key: value for key, value in tensors.items()}
     if config.draft_vocab_size is not None:
-        state["token_map"] = _token_map(d2t, t2d, config.draft_vocab_size, config.vocab_size, source)
+        state["token_map"] = token_map(d2t, t2d, config.draft_vocab_size, config.vocab_size, source)
     elif d2t is not None and bool(d2t.any()):
         raise ValueError(f"{source}: d2t maps a draft over the whole vocabulary (draft_vocab_size = vocab_size) to "
                          f"other ids; vLLM would use it and speculators would not: make draft_vocab_size the number "
@@ -149,8 +153,8 @@ def draft_state_dict(tensors: dict[str, torch.Tensor], config: MedusaConfig, sou
     return state
 
 
-def _token_map(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab: int, vocab: int,
-               source) -> torch.Tensor:
+def token_map(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab: int, vocab: int,
+              source) -> torch.Tensor:
     """d2t (offsets) and t2d (a mask over the verifier's vocabulary) -> the token map (draft index -> token id),
     after checking that the two agree."""
     if d2t is None or t2d is None:
