@@ -33,7 +33,7 @@ from .data import normal_text, render, unique_prompts
 from .engine import Request, decode_stream
 from .fields import option, shared
 from .repetition import AnswerWatch
-from .store import ConversationStore, complete_lines, is_folder, record_model
+from .store import ConversationStore, complete_lines, is_folder, read_gzip, record_model
 
 SELF_PROMPTS = "self_prompts.jsonl"  # the round under way appends here, a line per prompt
 SEALED_PROMPTS = SELF_PROMPTS + ".gz"  # and, finished, folds it into this: tens of thousands of prompts, gzipped
@@ -176,7 +176,9 @@ def read_self_prompts(folder: Path, cut: bool = False) -> list[str]:
     """The model-written prompts kept in `folder`, in the order written (prompt n is SELF_PROMPTS:n): the sealed
     ones (SEALED_PROMPTS), then those of the round under way (SELF_PROMPTS). `cut`: as their writer (complete_lines)."""
     sealed_path, path = folder / SEALED_PROMPTS, folder / SELF_PROMPTS
-    sealed = _prompt_texts(_gunzip(sealed_path), sealed_path) if sealed_path.is_file() else []
+    sealed = []
+    if sealed_path.is_file():
+        sealed = _prompt_texts(read_gzip(sealed_path, "move it away to write the prompts anew"), sealed_path)
     if not path.is_file():
         return sealed
     if cut:  # a last line a kill cut short is cut off (the next prompt starts a line)
@@ -198,14 +200,6 @@ def seal_self_prompts(folder: Path) -> None:
     partial.write_bytes(gzip.compress(lines.encode("utf-8"), mtime=0))  # mtime 0: the same prompts, the same bytes
     os.replace(partial, folder / SEALED_PROMPTS)
     path.unlink()
-
-
-def _gunzip(path: Path) -> bytes:
-    try:
-        return gzip.decompress(path.read_bytes())
-    except (EOFError, OSError, zlib.error):  # gzip.BadGzipFile is an OSError
-        raise ValueError(f"{path} is damaged (not a complete gzip file): restore it (git checkout -- {path}), or "
-                         f"move it away to write the prompts anew") from None
 
 
 def _prompt_texts(data: bytes, source: Path) -> list[str]:

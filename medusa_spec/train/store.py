@@ -51,12 +51,14 @@ def complete_lines(file: Path, cut: bytes = b"") -> bytes:
     return complete
 
 
-def _part_bytes(part: Path) -> bytes:
+def read_gzip(path: Path, remedy: str = "delete it to distil its conversations again") -> bytes:
+    """A gzip file distill wrote whole (a sealed chunk, the sealed prompts), decompressed; a damaged one is refused,
+    naming what else to do with it (`remedy`) than restoring it."""
     try:
-        return gzip.decompress(part.read_bytes())
+        return gzip.decompress(path.read_bytes())
     except (EOFError, OSError, zlib.error):  # gzip.BadGzipFile is an OSError
-        raise ValueError(f"{part} is damaged (not a complete gzip file): restore it (git checkout -- {part}), or "
-                         f"delete it to distil its conversations again") from None
+        raise ValueError(f"{path} is damaged (not a complete gzip file): restore it (git checkout -- {path}), or "
+                         f"{remedy}") from None
 
 
 def _records(data: bytes, source: Path) -> list[dict]:
@@ -90,7 +92,7 @@ def read_records(path: str | Path) -> list[dict]:
         return []
     while True:  # a writer may seal open.jsonl into a new part while this reads: then read again
         parts = _parts(path)
-        records = [r for part in parts for r in _records(_part_bytes(part), part)]
+        records = [r for part in parts for r in _records(read_gzip(part), part)]
         open_file = path / OPEN
         try:
             opened = _records(complete_lines(open_file), open_file)
@@ -202,7 +204,7 @@ class ConversationStore:
         """After a kill between sealing a part and removing open.jsonl, the open file is a copy."""
         open_file, parts = self.path / OPEN, _parts(self.path)
         if open_file.is_file() and parts:
-            last = {r["id"] for r in _records(_part_bytes(parts[-1]), parts[-1])}
+            last = {r["id"] for r in _records(read_gzip(parts[-1]), parts[-1])}
             opened = {r["id"] for r in _records(complete_lines(open_file), open_file)}
             if opened and opened <= last:
                 open_file.unlink()
