@@ -240,3 +240,16 @@ def test_the_users_model_and_draft_are_left_as_they_were(verifier):
         assert all(torch.equal(kept[k], v) for k, v in model.state_dict().items())
     with torch.no_grad():
         assert torch.equal(block_logits(draft.eval(), context_features(base, draft, ids), ids[:, -1]), before_logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py runs the CUDA tests)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_output_is_the_base_models_on_cuda(verifier, dtype):
+    """On a GPU, the draft in float32 beside a base in float32 or bfloat16 (no column-wise copies there)."""
+    base = copy.deepcopy(verifier).to("cuda", dtype)
+    ids = torch.tensor([EXPECTED["texts"][0][:10], EXPECTED["texts"][1][:10]], device="cuda")
+    for name in DRAFTS:
+        draft = load_dflash(FIXTURES / name, base).to("cuda")
+        for row in ids:
+            out = generate_with_dflash(base, draft, row[None], max_new_tokens=24, tree=TREE)
+            assert torch.equal(out.sequences, reference(base, row[None]))
