@@ -1,7 +1,7 @@
 """Checks for a machine with a CUDA GPU, prepared to run as one command when one is lent:
 
-1. the CUDA tests (`pytest -m cuda`: tests/test_cuda.py, skipped on machines without CUDA), which must all run
-   and pass;
+1. the CUDA tests (`pytest -m cuda`: tests/test_cuda.py and every other test marked cuda, skipped without CUDA),
+   which must all run and pass;
 2. the cost of one verify pass against tree size (1, 4, 8, 16, 32, 64 nodes) on a random-weight model of Llama
    1B's shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocabulary 128256) in bf16, timed
    by the library's own path (autotree.measure_step_costs: the heads' proposer, Slots.verify_inputs and one

@@ -242,7 +242,7 @@ def test_the_users_model_and_draft_are_left_as_they_were(verifier):
         assert torch.equal(block_logits(draft.eval(), context_features(base, draft, ids), ids[:, -1]), before_logits)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py runs the CUDA tests)")
+@pytest.mark.cuda  # skipped without a device (conftest.py); scripts/gpu_check.py runs `pytest -m cuda`
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_output_is_the_base_models_on_cuda(verifier, dtype):
     """On a GPU, the draft in float32 beside a base in float32 or bfloat16 (no column-wise copies there)."""
