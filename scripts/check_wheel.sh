@@ -50,7 +50,12 @@ if grep -q "no heads given" generate.err; then echo "generate: the shipped heads
 "$WORK/venv/bin/python" - <<'PY'
 import json, sys
 meta = json.load(open("report/bench.json"))["meta"]
-if "site-packages" not in meta["prompts"][0] or "site-packages" not in meta["heads"]:
-    sys.exit(f"bench read {meta['prompts']} and {meta['heads']}, not the installed package's")
+# bench names a file relative to the folder holding the package, never by a path of the machine: the installed
+# package's heads and prompts read medusa_spec/... (a checkout's heads would read heads/...), and only a checkout
+# has a commit.
+if (meta["heads"] != "medusa_spec/shipped_heads/smollm2-135m-instruct"
+        or not meta["prompts"][0].startswith("medusa_spec/data/") or meta["medusa_spec"]["commit"] is not None):
+    sys.exit(f"bench read {meta['prompts']} and {meta['heads']} (commit {meta['medusa_spec']['commit']}), "
+             f"not the installed package's")
 PY
 echo "wheel check passed in $((SECONDS - start)) s"
