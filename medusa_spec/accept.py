@@ -55,8 +55,8 @@ def kept_scores(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor,
     least one token), as transformers applies them, -inf where filtered out: ([..., V], None), or
     ([..., M], their token ids [..., M]) when top-k narrows the vocabulary to a window of its 2 * top_k
     best scores. The window is the point: top-p then sorts M scores per node instead of the whole
-    vocabulary (a sort of 49k scores at each of 8 nodes took 50-90 ms on this CPU, more than the
-    default model's verify pass). Where the window could keep other tokens than transformers' sort
+    vocabulary (sorting the whole vocabulary at every node cost more than the default model's verify
+    pass). Where the window could keep other tokens than transformers' sort
     (more than top_k scores tied with the k-th, or equal scores on both sides of the top-p cut, whose
     order torch.sort leaves open, as in bf16 logits) the whole vocabulary is filtered instead."""
     scores = logits.float() / sampling.temperature

@@ -24,9 +24,9 @@ from .tree import DynamicTree, MedusaTree, build_tree, chain_tree, default_tree,
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 # The trees tree=None times (and MedusaModel.auto_tree by default): 1, 2, 4, ..., 64 nodes after 64 tokens, the
-# fastest of 2 runs. For SmolLM2-135M on a 2-core CPU that took a quarter of the time CANDIDATE_SIZES' 14 sizes after
-# 256 tokens, fastest of 5, took, and both chose the same tree: the prompt's length changes little in a verify pass
-# of a few nodes.
+# fastest of 2 runs. For SmolLM2-135M on a 2-core CPU that took a fraction of the time CANDIDATE_SIZES' 14 sizes
+# after 256 tokens, fastest of 5, took, and both chose the same tree: the prompt's length changes little in a verify
+# pass of a few nodes.
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
 AUTO_CONTEXT = 64
 AUTO_REPEATS = 2
@@ -71,8 +71,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     stages, the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept)
     and proposing, then loop.verify, whose slots loop.commit drops again. The trees timed are those
     choose_tree weighs, grown from `rank_accuracy` (default: equal accuracies): a dependent head's drafting cost
-    is one call per tree depth, so a tree of the same size but another shape costs another time (over a full 49k
-    vocabulary, a one-level 4-node tree drafted in 13 ms, the two-level one the accuracies chose in 43-47 ms).
+    is one call per tree depth, so a tree of the same size but another shape costs another time (over a full
+    vocabulary, a one-level 4-node tree drafted several times faster than the two-level one the accuracies chose).
     `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights).
     `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n)."""
     base, spec = columnwise_copy(mm.base_model, packs=packs, eval_mode=True), mm.spec  # as the decoding loop runs it
@@ -224,8 +224,8 @@ class AdaptiveTree(Proposer):
     tree each step rather than setting it on `proposer`: a wrapper writes nothing into the proposer it wraps.
 
     Why not keep the first choice: held-out accuracies come from text like the training data and overrate the
-    heads elsewhere. SmolLM2's shipped heads expect 1.85 tokens/step of their 4-node tree and take 1.53 on
-    MT-bench; for a batch of 4 on a 2-core CPU that margin chose a 2-node tree that ran 16% slower than no
+    heads elsewhere. SmolLM2's shipped heads expected more tokens per step of their 4-node tree than they took on
+    MT-bench; for a batch of 4 on a 2-core CPU that margin chose a 2-node tree that ran slower than no
     speculation (scripts/bench_batch.py). The evidence is how often the heads' top depth-1 guess is the base
     model's next token, read every step, in the still-generating row where that is rarest (a batch runs until
     its last row is done). While the root alone is in use the heads still draft that one guess (a one-node
@@ -367,9 +367,9 @@ class TreeChoice:
 
     def proposer(self, mm, tree: list[list[int]] | DynamicTree | None, batch: int) -> Proposer:
         """generate's proposer for `tree`. None: eagle heads drafting one row, a priced DynamicTree (a batch shares
-        one dynamic tree and drafts its whole beam for every row: on a 2-core CPU, for 4 MT-bench rows, it ran at
-        1.72x transformers where the root alone ran at 1.97x, and the static trees below at 1.92x,
-        scripts/bench_batch.py); other heads and batches with rank accuracies, AdaptiveTree over table(batch), or
+        one dynamic tree and drafts its whole beam for every row: on a 2-core CPU, for 4 MT-bench rows, it ran
+        slower than the root alone and the static trees below, scripts/bench_batch.py); other heads and batches
+        with rank accuracies, AdaptiveTree over table(batch), or
         no speculation at all (RootOnly, as tree=[]) where the step costs say no tree pays for this batch even at
         the held-out accuracies, which overrate the heads on most text; else the heads on choices(batch).
         A DynamicTree or rank paths are kept as given; [] is RootOnly."""

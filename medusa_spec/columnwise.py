@@ -3,27 +3,20 @@ without copying the keys and values per query head: what the decoding loops, the
 frozen base run through (columnwise_copy).
 
 Why: torch computes an fp32 nn.Linear on CPU with MKL, which on this project's AMD EPYC machines runs far below
-the CPU's rate. All of SmolLM2-135M's decoder weights (cold in cache, as in decoding; medians of 7; 2 threads,
-AVX-512), nn.Linear / column-wise mm(W, x^T) / oneDNN's linear, in ms:
-
-    rows      1     2     4     8     16    64    512
-    layers    25.7  34.6  38.1  35.1  43.3  108   548
-    colwise   26.4  12.0  15.1  28.9  41.9  93.7  600
-    oneDNN    15.6  17.3  20.3  21.7  26.5  56.0  261
-
-and its 49152-row LM head 7.4 / 3.2 / 2.7 ms for one row (nn.Linear / 4 rows column-wise / oneDNN), 649 / 242 ms
-for 1,024 rows (nn.Linear / oneDNN). So 2-4 rows go column-wise (a tree of 4 nodes is verified for about what one
-decoding step costs) and every other count through oneDNN (one-row steps, wider trees and batches, prefills, the
-data engine's batches, training's packed rows). The sums agree up to fp32 rounding order, as between any two matmul
-kernels. oneDNN's rows run faster still from weights in its own layout, which PackedWeights keeps from call to call
-for the decoding loops and the data engine.
+the CPU's rate. oneDNN's linear beats it at every row count, and for 2-4 rows a column-wise mm(W, x^T) beats both.
+So 2-4 rows go column-wise (a tree of 4 nodes is verified for about what one decoding step costs) and every other
+count through oneDNN (one-row steps, wider trees and batches, prefills, the data engine's batches, training's packed
+rows). The sums agree up to fp32 rounding order, as between any two matmul kernels. oneDNN's rows run faster still
+from weights in its own layout, which PackedWeights keeps from call to call for the decoding loops and the data
+engine. (Measured: "oneDNN's fp32 linear for every row count but 2-4" and "oneDNN's packed weights" in
+experiments/2026-12-smollm2-135m-instruct/NOTES.md.)
 
 Attention: for a query of several rows and a mask, transformers' sdpa path copies every key and value
 head once per query head of its group (`repeat_kv`), a copy that grows with the context. torch's sdpa
 takes the groups as they are (`enable_gqa`); transformers passes that only for masks it knows the
 kernel supports, so the copy's attention layers read a config of their own naming `GQA_SDPA`, the
-same sdpa call with `enable_gqa`. Measured on SmolLM2-135M (9 query heads over 3 key/value heads), one
-layer with 4 rows: 279 -> 146 us after 300 tokens, 835 -> 470 us after 1,200; outputs bit-identical.
+same sdpa call with `enable_gqa`: a multi-row verify pass gets cheaper, the more so the longer the context;
+outputs bit-identical (measured: "Cheaper rows, fewer wasted rows" in the NOTES.md above).
 """
 
 from __future__ import annotations
@@ -58,19 +51,17 @@ ONEDNN_LINEAR, ONEDNN_PACK = _onednn_ops()
 
 class PackedWeights:
     """oneDNN's own layout of fp32 CPU weights, for linear's `packed_weight`, kept from call to call: called with a
-    plain weight, oneDNN reorders it at every product. SmolLM2-135M's decoder weights, all of them, in ms (medians
-    of 15, nothing else running), plain -> packed: rows 1 15.6 -> 12.9, 2 19.1 -> 13.3, 4 19.6 -> 12.5, 8 23.1 ->
-    13.0, 16 28.8 -> 17.7, 64 63.0 -> 42.7, 128 90.2 -> 70.9; column-wise, the fastest plain kernel for 2-4 rows,
-    13.8 / 16.1 for 2 / 4 rows where packed took 10.7 / 11.4 in the same run. Its LM head for 1 / 4 / 8 rows: 2.5 /
-    4.1 / 6.0 -> 2.3 / 2.4 / 2.2. Packing the model's 211 layers takes 1.0-1.3 s and their memory again, so a
-    MedusaModel keeps one PackedWeights and the data engine one per run; weights are packed only while a quarter of
-the machine's memory stays available.
+    plain weight, oneDNN reorders it at every product. Packed weights are faster than plain ones at every row
+    count, through oneDNN and against the column-wise kernel for 2-4 rows alike, the LM head included (measured:
+    "oneDNN's packed weights" in experiments/2026-12-smollm2-135m-instruct/NOTES.md). Packing the model's layers
+    takes a while and their memory again, so a MedusaModel keeps one PackedWeights and the data engine one per run;
+    weights are packed only while a quarter of the machine's memory stays available.
 
     A weight packed earlier is used only while it is the same tensor with the same values: `get` compares its
     version counter and storage address with those at packing, which any edit through the tensor changes (an
     optimiser step, copy_, an in-place op under no_grad, however small the change); and, since an edit through
     `.data` (peft's merge_adapter) leaves both as they were, its product with a fixed random vector (one row's
-    product: 20 ms for the whole model, at each generate call) against the one taken at packing. A weight that
+    product through the whole model, at each generate call) against the one taken at packing. A weight that
     changed is packed again; one that is gone drops its pack. A cache: a pickled or copied PackedWeights is empty."""
 
     def __init__(self):
@@ -144,7 +135,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     columns = x.reshape(rows, x.shape[-1])
     # Back to nn.Linear's row-major layout: on the transposed view later ops ran slower, and sdpa left its
-    # flash kernel for the math one (a 4-node verify of SmolLM2-135M took 131 ms instead of 110).
+    # flash kernel for the slower math one.
     y = torch.mm(weight, columns.t()).t().contiguous()
     if bias is not None:
         y = y + bias
@@ -199,8 +190,8 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
     dicts, hook dicts): tensors, config, hook functions and any other attribute are shared, nothing done to the
     copy's structure reaches `module`, and `module` computes as before in every thread. Subclasses are left
     alone (quantised layers; a LoRA wrapper calls its plain base layer, which is converted). Why a copy, not a
-    torch function mode: a mode adds Python work to every op (~7 us; a SmolLM2-135M forward is 2,300 ops), so a
-    4-node verify took 115 ms under one and 94 ms through the copy.
+    torch function mode: a mode adds Python work to every op, and a forward runs thousands of them, so a verify
+    pass is markedly slower under one than through the copy.
 
     `eval_mode`: the copy runs in eval mode (the decoding loops: dropout on would be neither greedy nor the model's
     distribution), its `training` set on the copy only, never on `module`, which another thread may be training;
@@ -226,8 +217,8 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
     def copy_tree(original: nn.Module) -> nn.Module:
         if id(original) in copies:  # a module registered twice stays one module
             return copies[id(original)]
-        # A shallow copy by hand: copy.copy takes the __reduce_ex__ route (58 instead of 34 ms for SmolLM2's 400
-        # modules, timed beside another job).
+        # A shallow copy by hand: copy.copy takes the slower __reduce_ex__ route, paid for every module at each
+        # generate call.
         clone = copies[id(original)] = object.__new__(type(original))
         vars(clone).update(vars(original))
         for name in MODULE_CONTAINERS & vars(original).keys():

@@ -62,7 +62,7 @@ def cache_dir() -> Path:
 
 def prepare(path: Path | None = None, gguf: Path | None = None) -> Path:
     """A transformers folder (fp32 safetensors + tokenizer) for the default model, converted from the GGUF
-    on first use (~20 s) and written atomically so an interrupted conversion is simply redone. `gguf`: the
+    on first use (once, a wait) and written atomically so an interrupted conversion is simply redone. `gguf`: the
     package's GGUF file copied elsewhere, for a machine that cannot install the package (a GPU with no network)."""
     path = Path(path) if path else cache_dir()
     if (path / "config.json").is_file():

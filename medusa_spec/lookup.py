@@ -25,15 +25,12 @@ from .tree import MedusaTree, Tree, chain_tree
 LOOKUP_TOKENS = 10
 DEFAULT_MAX_NGRAM = 3
 # Beside a proposer's tree (the heads'), a chain needs a match of 3 tokens, and when every row has one the step
-# verifies the root and the chain alone. Over 300 distilled SmolLM2 conversations (82,804 answer positions), the
-# chain's first token was the model's next one after 27% of the 1-token matches (0.80 tokens accepted per match),
-# 59% of the 2-token ones (2.02) and 87% of the 3-token ones (5.90); the heads' own first guess is right about half
-# the time. Every row of a verify pass costs: on a 2-core AVX2 CPU, SmolLM2-135M verified the 4-node tree in 110 ms,
-# with one chain token more in 130 ms, with 6-10 more in 200-220 ms. So a 2-token match's chain rarely pays for its
-# rows, while a 3-token match's is worth more than the tree it replaces; the chain then takes at least as many
-# nodes as the tree had, rows the step would have paid for anyway. Measured on MT-bench and the other task types
-# (one prompt per category, 128 tokens, outputs identical, one process): heads + lookup took 12% and 14% less time
-# than the heads alone, where chains beside the tree after 2-token matches took 8% and 0% less (the heads' card).
+# verifies the root and the chain alone. The longer the match, the more often the chain's first token is the model's
+# next one: a 1-token match's chain mostly misses, a 2-token match's is right about as often as the heads' own first
+# guess, a 3-token match's far more often. Every row of a verify pass costs, so a 2-token match's chain rarely pays
+# for its rows, while a 3-token match's is worth more than the tree it replaces; the chain then takes at least as
+# many nodes as the tree had, rows the step would have paid for anyway. (Measured: "Cheaper rows, fewer wasted rows"
+# and "Lookup beside the heads" in experiments/2026-12-smollm2-135m-instruct/NOTES.md.)
 # Lookup alone keeps 1-token matches: they are its only guesses.
 MIN_NGRAM_WITH_TREE = DEFAULT_MAX_NGRAM
 # Written into the acceptance copy of node tokens for nodes that must not be reached: no drawn token equals it.
@@ -203,9 +200,8 @@ def add_chain(node_tokens: torch.Tensor, chain_tokens: torch.Tensor, has_match: 
 def next_chain_length(length: int, taken_whole: bool, chain_length: int) -> int:
     """The chain's length for the next step, as transformers' assisted decoding schedules its draft: 2 longer
     after a step in which some row accepted its whole chain, 1 shorter otherwise, within [1, chain_length].
-    Why not always chain_length: every verified row costs (on a 2-core AVX2 CPU a 4-node tree plus a 10-token
-    chain, 16 rows, verified in 157 ms where the tree alone took 114), while most chains miss at their first
-    token; a run of copied text soon gets its length back."""
+    Why not always chain_length: every verified row costs (a tree plus a full chain verifies markedly slower than
+    the tree alone), while most chains miss at their first token; a run of copied text soon gets its length back."""
     return min(length + 2, chain_length) if taken_whole else max(length - 1, 1)
 
 

@@ -409,8 +409,9 @@ def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaT
                    packs: PackedWeights | None = None) -> Proposer:
     """The heads on `tree` (through a column-wise copy: see columnwise), or RootOnly for a root-only tree (no heads
     needed); a DynamicTree takes eagle heads. `packs`: the caller's packed weights (columnwise.PackedWeights), which
-    the copy's layers and its draft vocabulary's projection then compute from: SmolLM2-135M's 4,096-token projection
-    took 0.40 ms for 3 rows from its plain weight and 0.10 from its pack (hot in cache; heads draft 3 levels a step)."""
+    the copy's layers and its draft vocabulary's projection then compute from: the projection runs several times
+    faster from its pack than from its plain weight, and heads draft 3 levels a step (measured: "Eagle heads on
+    5.80M tokens, cheaper drafting" in experiments/2026-12-smollm2-135m-instruct/NOTES.md)."""
     dynamic = isinstance(tree, DynamicTree)
     if dynamic and getattr(heads, "draft_layer", None) is None:
         raise ValueError("a DynamicTree needs eagle heads (head_type='eagle'), which draft each level from the one "

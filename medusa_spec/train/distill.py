@@ -70,7 +70,7 @@ class DistillConfig:
                                         "prompt format the model does not know; 1: never stop")
     degenerate_window: int = option(100, "answers --max-degenerate looks back over")
     chunk_size: int = option(2000, "conversations per gzipped chunk of an output folder")
-    # None: bf16 where the device computes it natively (flags.fast_dtype): 1.5x the answer tokens/s of fp32 on an
+    # None: bf16 where the device computes it natively (flags.fast_dtype): more answer tokens/s than fp32 on an
     # AVX512-BF16 CPU (scripts/bench_distill.py) and the usual GPU dtype, while a CPU without it emulates bf16 far
     # slower than fp32. The answers are the model's own up to bf16 rounding.
     dtype: str | None = shared(None)

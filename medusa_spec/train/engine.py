@@ -12,15 +12,13 @@ the mask and positions are passed explicitly, so any decoder-only model that acc
 runs here without modeling code of its own.
 
 A decoding step reads, per block of `chunk_rows` rows, the keys and values up to that block's longest row, not every
-row up to the longest of all: with the recipe's mix of short and long conversations the rows held 28% of the columns
-the longest one spans (simulated from the distilled data), and attention was 61% of a 128-row step. Rows are kept
-about sorted by length (moved, with their cache, when the blocks would read 25% more than sorted ones), so a block
-holds rows of similar length. Once no request waits, finished rows stay free, and a step runs only the rows up to the
-last busy one (re-sorted, free ones last, before a quarter of them idle): the last long answers of a run no longer
-carry every row's products (bf16, 128 prompts, answers up to 512 tokens: 192 -> 340 tokens/s). The model runs as a
-columnwise.columnwise_copy (fp32 on CPU): its linear layers take the fastest kernel for their row count (oneDNN for
-a batch: fp32, 128 prompts of up to 256 new tokens, 204 -> 279 tokens/s), which rounds as another matmul kernel
-would.
+row up to the longest of all: with the recipe's mix of short and long conversations most rows are far shorter than
+the longest, and attention is a large share of a wide step. Rows are kept about sorted by length (moved, with their
+cache, when the blocks would read 25% more than sorted ones), so a block holds rows of similar length. Once no
+request waits, finished rows stay free, and a step runs only the rows up to the last busy one (re-sorted, free ones
+last, before a quarter of them idle): the last long answers of a run no longer carry every row's products. The model
+runs as a columnwise.columnwise_copy (fp32 on CPU): its linear layers take the fastest kernel for their row count
+(oneDNN for a batch), which rounds as another matmul kernel would.
 """
 
 from __future__ import annotations
@@ -116,7 +114,7 @@ class Slots(Cache):
 
     def reorder(self, order: list[int], kept: list[int]) -> None:
         """Row i takes the first kept[order[i]] columns that row order[i] held. In place, cycle by cycle, and only
-        the kept columns: copying whole buffers into new ones took 4-5 s for SmolLM2-135M's 128 rows."""
+        the kept columns: copying whole buffers into new ones took seconds for a full batch of rows."""
         buffers = [b for layer in self.layers if layer.is_initialized for b in (layer.keys, layer.values)]
         done = [False] * len(order)
         for first in range(len(order)):
@@ -235,7 +233,7 @@ def decode_stream(model: nn.Module, requests: deque, eos_token_ids: set[int], *,
     dtype = model.get_output_embeddings().weight.dtype
     if capacity is None:
         capacity = max((len(r.input_ids) + (r.max_new_tokens or max_new_tokens) for r in requests), default=1)
-    # No more cache rows than requests to fill them: 40 prompts at --batch-size 2000 took 1.5 GB instead of 0.5.
+    # No more cache rows than requests to fill them: a few prompts at a large --batch-size paid for idle rows' memory.
     # (A caller adds a conversation's next turn as its row ends, so the queue at the start bounds the rows in use.)
     rows = max(1, min(rows, len(requests)))
     cache = Slots(_n_layers(model), rows, capacity)

@@ -1,15 +1,15 @@
 """Where an answer starts copying itself: a small model's greedy answers often end in a loop.
 
-Of 400 SmolLM2-135M answers distilled with up to 512 new tokens, 34% ran to the limit, and half of all answer
-tokens closed an 8-token sequence already written earlier in the same answer: half the distillation time went
-to loops. At decoding time the lookup chain copies loops (a 3-token match's chain starts right 87% of the time in
-this data), so the heads' training is spent better on the text before them; the shipped heads guess loop tokens
-worse than the rest anyway (held-out top-1 0.388 with loops, 0.409 without). A loop is a run of LOOP_RUN
+Many of SmolLM2-135M's distilled answers ran to the token limit, and a large share of all answer tokens repeated
+a sequence already written earlier in the same answer: much of the distillation time went to loops. At decoding
+time the lookup chain copies loops (a long match's chain is mostly right in this data), so the heads' training is
+spent better on the text before them; the heads guess loop tokens worse than the rest anyway (measured: "What
+limits these heads" in experiments/2026-12-smollm2-135m-instruct/NOTES.md). A loop is a run of LOOP_RUN
 positions in a row that each close an LOOP_NGRAM-gram seen before; it starts where the first of those n-grams
 starts. Distillation stops an answer there, and training leaves the loop out of the loss and the accuracy.
 
 A degenerate answer is worse: empty, or little more than one repeated token. A base model prompted in a format it
-does not know answers so ("Assistant Assistant ...", "?", ""): 779 of 780 answers of one such run, which nothing
+does not know answers so ("Assistant Assistant ...", "?", ""): nearly every answer of one such run, which nothing
 reported. Distillation counts them as it writes (AnswerWatch) and stops when they dominate; training refuses data
 that is mostly made of them.
 """

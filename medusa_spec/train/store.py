@@ -122,7 +122,7 @@ def _hold_writer_lock(path: Path, owner: object) -> None:
 
 
 # How far a `weights` sum of the record may move between loads of one model in another dtype (distill.model_identity):
-# bfloat16 and float16 loads of SmolLM2-135M moved them by at most 2.1e-5 of themselves; a fine-tune moves them more.
+# bfloat16 and float16 loads of SmolLM2-135M moved them by far less than this; a fine-tune moves them more.
 WEIGHTS_RTOL = 1e-3
 
 
