@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from draft_folders import edited_copy, shifted
 from medusa_spec.dflash import block_logits, context_features, load_dflash, propose_block, read_config
 from tiny_models import tiny_model
 
@@ -129,32 +129,7 @@ def test_a_base_in_another_dtype_drafts_with_the_drafts_own(verifier):
 # --- refusals -----------------------------------------------------------------------------------------------------
 
 def broken_copy(tmp_path, config=None, tensors=None, name="qwen3-1-layer") -> Path:
-    """A copy of a fixture draft with config.json's fields and the weights' tensors changed (None: removed)."""
-    folder = tmp_path / "draft"
-    shutil.copytree(FIXTURES / name, folder)
-    meta = json.loads((folder / "config.json").read_text())
-    for key, value in (config or {}).items():
-        if value is None:
-            meta.pop(key)
-        elif key == "transformer_layer_config":
-            meta[key].update(value)
-        else:
-            meta[key] = value
-    (folder / "config.json").write_text(json.dumps(meta))
-    weights = load_file(folder / "model.safetensors")
-    for key, value in (tensors or {}).items():
-        if value is None:
-            weights.pop(key)
-        else:
-            weights[key] = value(weights[key]) if callable(value) else value
-    save_file(weights, folder / "model.safetensors")
-    return folder
-
-
-def shifted(d2t):
-    bad = d2t.clone()
-    bad[0] = bad[1] + 1  # maps draft index 0 to the id index 1 maps to
-    return bad
+    return edited_copy(FIXTURES / name, tmp_path / "draft", config, tensors, merged=("transformer_layer_config",))
 
 
 @pytest.mark.parametrize(("name", "config", "tensors", "message"), [

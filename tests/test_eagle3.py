@@ -5,14 +5,14 @@ every refusal named with the user's model untouched, lossless decoding, and trai
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from draft_folders import edited_copy, shifted
 from medusa_spec import MedusaConfig, MedusaModel
 from medusa_spec.formats import convert, detect_format
 from medusa_spec.train.loop import train
@@ -76,30 +76,7 @@ def test_a_round_trip_gives_back_the_same_tensors_and_config(verifier, name, tmp
 # --- refusals -----------------------------------------------------------------------------------------------------
 
 def broken_copy(tmp_path, config=None, tensors=None, name="llama") -> Path:
-    """A copy of a fixture draft with config.json's fields and the weights' tensors changed (None: removed)."""
-    folder = tmp_path / "draft"
-    shutil.copytree(FIXTURES / name, folder)
-    meta = json.loads((folder / "config.json").read_text())
-    for key, value in (config or {}).items():
-        if value is None:
-            meta.pop(key)
-        else:
-            meta[key] = value
-    (folder / "config.json").write_text(json.dumps(meta))
-    weights = load_file(folder / "model.safetensors")
-    for key, value in (tensors or {}).items():
-        if value is None:
-            weights.pop(key)
-        else:
-            weights[key] = value(weights[key]) if callable(value) else value
-    save_file(weights, folder / "model.safetensors")
-    return folder
-
-
-def shifted(d2t):
-    bad = d2t.clone()
-    bad[0] = bad[1] + 1  # maps draft index 0 to the id index 1 maps to
-    return bad
+    return edited_copy(FIXTURES / name, tmp_path / "draft", config, tensors)
 
 
 @pytest.mark.parametrize(("config", "tensors", "message"), [

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from draft_folders import edited_copy
 from medusa_spec import MedusaModel
 from medusa_spec.formats import convert, detect_format
 from medusa_spec.sglang_format import write_sglang
@@ -137,24 +138,7 @@ def test_the_eagle_repos_draft_converts_to_the_same_tensors_and_config(verifier,
 # --- refusals -------------------------------------------------------------------------------------------------------
 
 def broken_copy(research: Path, tmp_path: Path, config=None, tensors=None) -> Path:
-    """A copy of the research folder with config.json's fields and the tensors changed (None: removed)."""
-    folder = tmp_path / "draft"
-    shutil.copytree(research, folder)
-    meta = json.loads((folder / "config.json").read_text())
-    for key, value in (config or {}).items():
-        if value is None:
-            meta.pop(key, None)
-        else:
-            meta[key] = value
-    (folder / "config.json").write_text(json.dumps(meta))
-    weights = load_file(folder / "model.safetensors")
-    for key, value in (tensors or {}).items():
-        if value is None:
-            weights.pop(key)
-        else:
-            weights[key] = value(weights[key]) if callable(value) else value
-    save_file(weights, folder / "model.safetensors")
-    return folder
+    return edited_copy(research, tmp_path / "draft", config, tensors)
 
 
 def test_specforges_flags_at_their_defaults_and_its_sliding_window_fields_are_read(verifier, research, tmp_path):
