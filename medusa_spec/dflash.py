@@ -241,10 +241,13 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=layer.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(layer, i) for i in range(layer.num_hidden_layers))
         self.norm = Qwen3RMSNorm(hidden, eps=layer.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
-        self.rotary_emb = Qwen3RotaryEmbedding(layer)
         reduced = config.draft_vocab_size < config.vocab_size
+        # A full-vocabulary draft scores through the verifier's own LM head (verifier_weights).
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False) if reduced else None
+        # The verifier's input and output embeddings, (input, output), set by load_dflash: held by reference outside
+        # the module tree, so that the draft's .to(), .half() or state_dict() never touch the base model's tensors.
+        self.verifier_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rotary_emb = Qwen3RotaryEmbedding(layer)
         self.register_buffer("token_map", torch.arange(config.draft_vocab_size) if reduced else None)
 
     def context(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
@@ -270,7 +273,9 @@ class DFlashDraft(nn.Module):
         tokens[:, 0] = anchor
         positions = anchor_position[:, None] + torch.arange(size, device=anchor.device)
         dtype = self.fc.weight.dtype
-        x = self.embed_tokens(tokens).to(dtype)  # the base's embeddings may be in another dtype
+        if self.verifier_weights is None:
+            raise ValueError("this DFlash draft has no verifier embeddings: load it with load_dflash(path, base_model)")
+        x = F.embedding(tokens, self.verifier_weights[0]).to(dtype)  # the base's embeddings may be in another dtype
         cos, sin = self.rotary_emb(x, positions)
         masks = {}
         for layer, k, v in zip(self.layers, context.keys, context.values):
@@ -281,7 +286,8 @@ class DFlashDraft(nn.Module):
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """Block states [..., H] -> logits [..., draft vocab]."""
-        return self.lm_head(states.to(self.lm_head.weight.dtype))
+        weight = self.lm_head.weight if self.lm_head is not None else self.verifier_weights[1]
+        return F.linear(states.to(weight.dtype), weight)
 
     def mask(self, context: DFlashContext, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """positions [B, S] (the block's) -> [B, 1, S, T + S] bool: the block sees the valid context and itself; in a
@@ -367,9 +373,7 @@ def load_dflash(path: str | Path, base_model: nn.Module) -> DFlashDraft:
                      fix="the folder is incomplete, or its config.json is not its weights'")
     draft.load_state_dict(tensors, strict=False, assign=True)  # the meta draft takes the folder's tensors
     draft.rotary_emb = Qwen3RotaryEmbedding(config.layer)  # its angles are no weights: made anew, off the meta device
-    draft.embed_tokens.weight = embeddings
-    if not reduced:
-        draft.lm_head.weight = output
+    draft.verifier_weights = (embeddings, output)
     return draft.eval()
 
 

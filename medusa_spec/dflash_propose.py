@@ -97,7 +97,7 @@ def check_dflash_draft(base_model: nn.Module, draft: DFlashDraft) -> None:
         raise TypeError(f"draft must be a DFlashDraft, got {type(draft).__name__}; load a speculators DFlash folder "
                         f"with medusa_spec.dflash.load_dflash(path, base_model)")
     _check_base(draft.config, base_model, "the DFlash draft")
-    if draft.embed_tokens.weight is not base_model.get_input_embeddings().weight:
+    if draft.verifier_weights is None or draft.verifier_weights[0] is not base_model.get_input_embeddings().weight:
         raise ValueError("the DFlash draft was loaded for another model: it embeds its block with its verifier's input "
                          "embeddings, which are not this base model's; load it with load_dflash(path, base_model)")
     device, draft_device = model_device_dtype(base_model)[0], draft.fc.weight.device

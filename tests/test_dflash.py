@@ -103,8 +103,14 @@ def test_a_left_padded_batch_drafts_each_row_as_alone(verifier):
 
 def test_the_draft_shares_the_verifiers_embeddings_and_reads_a_reduced_lm_head_from_the_folder(verifier):
     full = load_dflash(FIXTURES / "qwen3-2-layers-full-vocab-from-anchor", verifier)
-    assert full.embed_tokens.weight is verifier.get_input_embeddings().weight
-    assert full.lm_head.weight is verifier.get_output_embeddings().weight and full.token_map is None
+    assert full.verifier_weights[0] is verifier.get_input_embeddings().weight
+    assert full.verifier_weights[1] is verifier.get_output_embeddings().weight
+    assert full.lm_head is None and full.token_map is None
+    # Shared by reference, not owned: the draft's dtype and device moves leave the base model as it was.
+    assert not any(name.startswith(("embed_tokens", "lm_head")) for name in full.state_dict())
+    full.half()
+    embeddings, output = verifier.get_input_embeddings().weight, verifier.get_output_embeddings().weight
+    assert embeddings.dtype == output.dtype == torch.float32
     reduced = load_dflash(FIXTURES / "qwen3-1-layer", verifier)
     assert torch.equal(reduced.lm_head.weight, load_file(FIXTURES / "qwen3-1-layer" / "model.safetensors")
                        ["lm_head.weight"])

@@ -47,8 +47,7 @@ def random_draft(base, block_size=4, seed=0, sample_from_anchor=False) -> DFlash
     torch.manual_seed(seed)
     draft = DFlashDraft(DFlashConfig(layer, block_size, mask_token_id=3, aux_layer_ids=[0, 1],
                                      draft_vocab_size=config.vocab_size, sample_from_anchor=sample_from_anchor))
-    draft.embed_tokens.weight = base.get_input_embeddings().weight
-    draft.lm_head.weight = base.get_output_embeddings().weight
+    draft.verifier_weights = (base.get_input_embeddings().weight, base.get_output_embeddings().weight)
     return draft.eval()
 
 
