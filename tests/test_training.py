@@ -717,8 +717,12 @@ def test_self_prompts_are_sealed_gzipped_and_numbered_across_rounds(base_dir, tm
     # As if killed after the rename, before the unlink: the plain file's prompts are the sealed file's last ones.
     (folder / SELF_PROMPTS).write_text("".join(json.dumps({"prompt": t}) + "\n" for t in kept[2:]), encoding="utf-8")
     assert read_self_prompts(folder) == kept
-    assert distill(base_model, tokenizer, [], replace(cfg, self_prompts=3), progress=False)["written"] == 0
-    assert read_self_prompts(folder) == kept and not (folder / SELF_PROMPTS).exists()
+    # The next round writes one more prompt: after the three kept, each once, and answered under its own id.
+    assert distill(base_model, tokenizer, [], replace(cfg, self_prompts=4), progress=False)["written"] == 1
+    grown = read_self_prompts(folder)
+    assert grown[:3] == kept and len(grown) == 4 and not (folder / SELF_PROMPTS).exists()
+    stored = {r["id"]: r["messages"][0]["content"] for r in read_records(folder)}
+    assert stored == {f"{SELF_PROMPTS}:{n}": text for n, text in enumerate(grown, start=1)}
 
 
 # ---------------------------------------------------------------- training

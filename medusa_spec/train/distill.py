@@ -185,6 +185,8 @@ def read_self_prompts(folder: Path, cut: bool = False) -> list[str]:
         complete_lines(path, cut=PROMPT_START)
     current = _prompt_texts(complete_lines(path), path)
     if current and sealed[-len(current):] == current:  # killed between sealing and removing SELF_PROMPTS
+        if cut:  # as the writer: finish the removal, so the prompts written next start a file of their own
+            path.unlink()
         return sealed
     return sealed + current
 
