@@ -13,34 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from medusa_spec import MedusaModel
 from medusa_spec.bench import encode
 from medusa_spec.train.loop import clock, eta_seconds
 from medusa_spec.train.repetition import degenerate
+from test_training import WORDS, bos_tokenizer  # WORDS: w0 .. w23, cyclic
 from tiny_models import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "training" / "own-model" / "recipe.sh"
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0-2: tiny_models' pad, bos and eos ids
-WORDS = 24  # w0 .. w23, cyclic
 ANSWER = 12  # words per answer the model is taught
 
 
 def base_tokenizer() -> PreTrainedTokenizerFast:
-    """A base model's tokenizer: no chat template, a BOS token put before any text (as Gemma's and Llama's)."""
-    words = SPECIAL + ["User:", "Assistant:", "count", "from"] + [f"w{i}" for i in range(WORDS)]
-    vocab = {t: i for i, t in enumerate(words)}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
-    tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
+    return bos_tokenizer(SPECIAL)
 
 
 def counting(start: int) -> str:

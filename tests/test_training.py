@@ -455,9 +455,10 @@ def test_a_tokenizer_without_chat_template_is_refused_unless_plain_text(tmp_path
     assert marked == ["w2", "w3", "<|end|>"]  # the plain format ends an answer with eos
 
 
-def bos_tokenizer() -> PreTrainedTokenizerFast:
-    """A base model's tokenizer: no chat template, and a BOS token put before any text (as Llama's and Gemma's)."""
-    words = ["<pad>", "<unk>", "<s>", "</s>", "User:", "Assistant:", "count", "from"] + [f"w{i}" for i in range(WORDS)]
+def bos_tokenizer(special=("<pad>", "<unk>", "<s>", "</s>")) -> PreTrainedTokenizerFast:
+    """A base model's tokenizer: no chat template, and a BOS token put before any text (as Llama's and Gemma's);
+    `special` in the order of their ids."""
+    words = [*special, "User:", "Assistant:", "count", "from"] + [f"w{i}" for i in range(WORDS)]
     vocab = {t: i for i, t in enumerate(words)}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
