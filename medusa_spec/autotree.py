@@ -16,6 +16,7 @@ import torch
 from . import loop
 from .base import model_device_dtype
 from .columnwise import PackedWeights, columnwise_copy
+from .compiled import CompiledSteps, block_size
 from .kv_cache import new_cache
 from .output import GenerationStats
 from .propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult, heads_proposer
@@ -38,6 +39,9 @@ PROBE_ROWS = 4
 # evidence, so a few lucky or unlucky steps move the choice little.
 ADAPT_EVERY = 8
 PRIOR_ROW_STEPS = 16
+# generate(tree=None, compile=True)'s dynamic trees for eagle heads: at most this many nodes, one compiled block size
+# (compiled.BLOCK_SIZES), so that a step runs one of two graphs (this one, or the root's alone).
+COMPILED_TREE_NODES = 8
 
 
 def expected_tokens_per_step(choices, rank_accuracy) -> float:
@@ -117,6 +121,46 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device)
     draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats, device)
     return latency, draft_seconds
+
+
+@torch.inference_mode()
+def measure_compiled_verify(mm, compiled: CompiledSteps, sizes: tuple[int, ...], batch: int = 1,
+                            context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS) -> dict[int, float]:
+    """Seconds of a compiled verify pass (compiled.CompiledSteps) of n nodes, a chain after `context` tokens, for each
+    n in sizes, `batch` rows: the graphs generate(compile=True) runs, compiled here if they are not yet."""
+    base, spec, layers = mm.base_model, mm.spec, compiled.feature_layers  # prepared by generate
+    device = base.get_output_embeddings().weight.device
+    # Any tokens: only the costs count (a generator of its own, as measure_step_costs).
+    ids = torch.randint(0, spec.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    _, _, slots = prefill(columnwise_copy(base, eval_mode=True), spec, ids, valid, new_cache(), feature_layers=layers)
+    cache = compiled.adopt(slots.cache, context + max(sizes))
+
+    def verify(n: int) -> None:
+        q_pos = slots.next_pos[:, None] + torch.arange(n, device=device)
+        chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        compiled.forward_block(spec, ids[:, :1].expand(-1, n), q_pos, chain, cache,
+                               torch.cat([slots.valid, torch.ones_like(q_pos, dtype=torch.bool)], dim=1),
+                               torch.cat([slots.pos, q_pos], dim=1), layers)
+
+    for n in sizes:
+        verify(n)  # compiles the graph of this shape, where it is new
+    return _fastest_seconds({n: partial(verify, n) for n in sizes}, repeats, device)
+
+
+def compiled_dynamic_tree(mm, compiled: CompiledSteps, draft_seconds: dict[int, float],
+                          nodes: int = COMPILED_TREE_NODES) -> DynamicTree:
+    """generate(tree=None, compile=True)'s tree for eagle heads (one row): a DynamicTree of at most `nodes` nodes
+    (a compiled block size), each size priced at its block's compiled verify pass (a 2-node tree costs what an
+    8-node one does: both run the 8-node graph) plus drafting (draft_seconds, timed eagerly, as the proposer runs)."""
+    most = min(nodes, dynamic_sizes(mm)[-1])
+    blocks = tuple(sorted({block_size(n) for n in range(1, most + 1)}))
+    verify = measure_compiled_verify(mm, compiled, blocks)
+    drafted = sorted(draft_seconds)
+    step_ms = tuple(1000 * (verify[block_size(n)] + interpolate(drafted, [draft_seconds[k] for k in drafted],
+                                                                 min(max(n, drafted[0]), drafted[-1])))
+                    for n in range(1, most + 1))
+    return dataclasses.replace(default_dynamic_tree(mm), nodes=most, step_ms=step_ms)
 
 
 def dynamic_sizes(mm, sizes=AUTO_SIZES) -> list[int]:
@@ -341,6 +385,7 @@ class TreeChoice:
     def __init__(self, packs: PackedWeights | None = None):
         self.packs = packs
         self.costs: dict[tuple[torch.device, torch.dtype, bool], StepCosts] = {}
+        self.compiled_trees: dict[tuple[torch.device, torch.dtype, int], DynamicTree] = {}
 
     def step_costs(self, mm, dynamic: bool = False) -> StepCosts:
         device, dtype = model_device_dtype(mm.base_model)
@@ -365,14 +410,17 @@ class TreeChoice:
             return mm.config.tree or default_tree(mm.config.num_heads)
         return best_tree(self.table(mm, batch), accuracy)["tree"]
 
-    def proposer(self, mm, tree: list[list[int]] | DynamicTree | None, batch: int) -> Proposer:
+    def proposer(self, mm, tree: list[list[int]] | DynamicTree | None, batch: int,
+                 compiled: CompiledSteps | None = None) -> Proposer:
         """generate's proposer for `tree`. None: eagle heads drafting one row, a priced DynamicTree (a batch shares
         one dynamic tree and drafts its whole beam for every row: on a 2-core CPU, for 4 MT-bench rows, it ran
         slower than the root alone and the static trees below, scripts/bench_batch.py); other heads and batches
         with rank accuracies, AdaptiveTree over table(batch), or
         no speculation at all (RootOnly, as tree=[]) where the step costs say no tree pays for this batch even at
         the held-out accuracies, which overrate the heads on most text; else the heads on choices(batch).
-        A DynamicTree or rank paths are kept as given; [] is RootOnly."""
+        A DynamicTree or rank paths are kept as given; [] is RootOnly. With `compiled` (generate(compile=True)),
+        eagle heads' tree for one row is priced by the compiled graphs instead (compiled_dynamic_tree, kept as the
+        costs are); every other choice is the eager one, its blocks padded to the compiled sizes."""
         accuracy = rank_accuracy(mm.config)
         eagle = getattr(mm.heads, "draft_layer", None) is not None
         packs = self.packs
@@ -381,6 +429,12 @@ class TreeChoice:
             if tree is not None and tree.top_k > guesses:  # else topk fails inside torch at the first step
                 raise ValueError(f"DynamicTree top_k={tree.top_k} is more than the heads' {guesses} candidate tokens; "
                                  f"use top_k <= {guesses}")
+            if tree is None and compiled is not None:
+                key = (*model_device_dtype(mm.base_model), batch)
+                if key not in self.compiled_trees:
+                    draft = self.step_costs(mm, dynamic=True).at(batch)[1]
+                    self.compiled_trees[key] = compiled_dynamic_tree(mm, compiled, draft)
+                tree = self.compiled_trees[key]
             return heads_proposer(mm.base_model, mm.heads, self.dynamic_tree(mm, batch) if tree is None else tree,
                                   packs)
         if tree is None and accuracy:

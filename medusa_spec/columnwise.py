@@ -180,7 +180,8 @@ class ColumnwiseLinear(nn.Linear):
 
 
 def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
-                    packs: PackedWeights | None = None, eval_mode: bool = False) -> nn.Module | None:
+                    packs: PackedWeights | None = None, eval_mode: bool = False,
+                    linears: bool = True) -> nn.Module | None:
     """A copy of `module`'s tree whose plain nn.Linear layers compute through `linear`, and whose sdpa attention
     layers through `gqa_sdpa_attention` (or another registered attention function, `attention`: the data engine's
     takes each block of rows' own width); the decoding loops run the base model, the heads and a draft model through
@@ -197,12 +198,13 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
     distribution), its `training` set on the copy only, never on `module`, which another thread may be training;
     then a module in train mode is copied on any device and dtype. Returns `module` itself where nothing would
     change: not fp32 weights on CPU (`linear` would only call nn.Linear) and, with eval_mode, every module in eval
-    mode already.
+    mode already. `linears=False` keeps the linear layers plain nn.Linear (what torch.compile's own kernels replace:
+    see compiled), and makes a copy in any case: compiled graphs and transformers' output hooks then belong to it.
     """
     if module is None:
         return None
     columnwise = _on_cpu_in_fp32(module)
-    if not columnwise and not (eval_mode and any(m.training for m in module.modules())):
+    if linears and not columnwise and not (eval_mode and any(m.training for m in module.modules())):
         return module
     copies: dict[int, nn.Module] = {}
     configs: dict[int, PreTrainedConfig] = {}
@@ -229,7 +231,7 @@ def columnwise_copy(module: nn.Module | None, attention: str = GQA_SDPA,
             vars(clone)["training"] = False
         if not columnwise:
             return clone
-        if type(original) is nn.Linear:
+        if type(original) is nn.Linear and linears:
             clone.__class__ = ColumnwiseLinear
             if packs is not None:
                 vars(clone)["packed_weight"] = packs.get(original.weight)

@@ -11,7 +11,7 @@ import copy
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 # Slots an AppendLayer allocates beyond what it holds, at least: a reallocation copies the past once.
 RESERVE = 256
@@ -92,6 +92,8 @@ def keep_accepted(cache: DynamicCache, past_length: int, keep: torch.Tensor) -> 
             states = getattr(layer, name)  # [B, kv_heads, S + N, head_dim]
             gathered = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
             # Written over the block's first slots in place and narrowed to a view: the past is not copied
-            # (the cache's next update concatenates into a new tensor anyway).
+            # (the cache's next update concatenates into a new tensor anyway). A static layer (compiled's buffer)
+            # stays whole: its graphs' shapes are fixed, and their masks hide the slots past the kept ones.
             states[:, :, past_length:kept] = gathered
-            setattr(layer, name, states[:, :, :kept])
+            if not isinstance(layer, StaticLayer):
+                setattr(layer, name, states[:, :, :kept])

@@ -20,6 +20,7 @@ from torch import nn
 from .accept import Sampling, accept_candidates, draw_targets
 from .base import BaseSpec
 from .columnwise import PackedWeights, columnwise_copy
+from .compiled import CompiledSteps
 from .inputs import prepare_inputs
 from .kv_cache import new_cache
 from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
@@ -101,11 +102,13 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
            attention_mask: torch.Tensor | None, max_new_tokens: int | None, sampling: Sampling, eos_token_id: list[int],
            pad_token_id: int | None, streamer: Streamer | None = None,
            timer: StepTimer | None = None, packs: PackedWeights | None = None,
-           generation_config=None) -> GenerateOutput:
+           generation_config=None, compiled: CompiledSteps | None = None) -> GenerateOutput:
     """Generate with `proposer`'s candidates; `sequences` [B, prompt + new] as transformers' generate.
     `timer`: a StepTimer to charge each stage's time to (None: no laps, no extra device syncs). `packs`: the base
     model's packed weights, kept by the caller from call to call (see columnwise.PackedWeights). `generation_config`:
-    where max_new_tokens=None is read (inputs.settings_of)."""
+    where max_new_tokens=None is read (inputs.settings_of). `compiled`: verify through its compiled graphs (see
+    compiled), prepared by the caller for the base model and the proposer's feature layers and kept from call to
+    call."""
     start = time.perf_counter()
     input_ids, attention_mask, max_new_tokens = prepare_inputs(base_model, input_ids, attention_mask, max_new_tokens,
                                                                streamer, eos_token_id, pad_token_id, generation_config,
@@ -123,6 +126,7 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         timer.start(device)
 
     with torch.inference_mode():
+        layers = proposer.feature_layers
         # The base model runs in eval mode and, on CPU, its candidates' few rows column-wise: both through a copy
         # (see columnwise), so no mode is written on the caller's model, which another thread may be training.
         # The proposers' modules are such copies of their own.
@@ -130,8 +134,9 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
-        layers = proposer.feature_layers
         logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position, layers)
+        if compiled is not None:
+            slots.cache = compiled.adopt(slots.cache, slots.past + max_new_tokens)
         root = draw_targets(logits, sampling)[:, -1]
         count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
         stats.steps = 1
@@ -147,7 +152,7 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             tree = candidates.tree
             lap("propose")
             # 3. Verify: one pass over every node.
-            logits, hidden = verify(base_model, spec, slots, candidates, layers)
+            logits, hidden = verify(base_model, spec, slots, candidates, layers, compiled)
             lap("verify")
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
             last_node, accept_length, bonus = accept_candidates(candidates, logits, sampling)
@@ -189,12 +194,17 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
 
 
 def verify(base_model: nn.Module, spec: BaseSpec, slots: Slots, candidates: Candidates,
-           feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+           feature_layers: tuple[int, ...] = (),
+           compiled: CompiledSteps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The verify stage: one pass of the base model over every node of `candidates`, node i at position
     next_pos + depth(i), its slots appended to `slots` until commit. -> logits [B, N, V], hidden [B, N, H]
-    (then the feature layers' states). autotree times this very function."""
+    (then the feature layers' states). With `compiled`, through its graphs, on the static cache it adopted.
+    autotree times this very function."""
     tree = candidates.tree
     q_pos, kv_valid, kv_pos = slots.verify_inputs(tree.depth)
+    if compiled is not None:
+        return compiled.forward_block(spec, candidates.node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
+                                      kv_pos, feature_layers)
     return forward_block(base_model, spec, candidates.node_tokens, q_pos, tree.tree_mask, slots.cache, kv_valid,
                          kv_pos, feature_layers=feature_layers)
 

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from . import autotree, eagle3, formats, io, verify
 from .base import BaseSpec, inspect_base_model, model_device_dtype
 from .columnwise import PackedWeights, columnwise_copy
+from .compiled import CompiledSteps
 from .config import MedusaConfig
 from .eagle import draft_layer_shape
 from .heads import MedusaHeads
@@ -39,6 +40,7 @@ class MedusaModel(nn.Module):
         # hold the same values (see columnwise.PackedWeights); here, not on the caller's model.
         self._packed_weights = PackedWeights()
         self._trees = autotree.TreeChoice(self._packed_weights)  # tree=None's step costs and choices
+        self._compiled = CompiledSteps()  # generate(compile=True)'s graphs, compiled at their first use
 
     @property
     def spec(self) -> BaseSpec:
@@ -198,13 +200,20 @@ class MedusaModel(nn.Module):
             logits = torch.stack([heads.draft_logits(k, outputs[..., k, :], lm_head) for k in range(depth)], -2)
         return heads.token_ids(logits.argmax(-1))[0].T.contiguous()  # [depth, S - 1]
 
+    def compile_blocks(self, sizes: Sequence[int], batch: int = 1) -> None:
+        """Compile generate(compile=True)'s graphs for blocks of `sizes` nodes (each padded to compiled.block_size)
+        and `batch` rows now, not at the first step that meets them: a benchmark or a server warms up with it."""
+        self._compiled.prepare(self.base_model, self.spec, tuple(getattr(self.heads, "feature_layers", ())))
+        autotree.measure_compiled_verify(self, self._compiled, tuple(sizes), batch)
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, tree: list[list[int]] | DynamicTree | None = None,
                  streamer: Streamer | None = None,
                  lookup_tokens: int = 0, documents: list[list[int] | torch.Tensor] | None = None,
-                 timer: StepTimer | None = None, generation_config: GenerationConfig | None = None) -> GenerateOutput:
+                 timer: StepTimer | None = None, generation_config: GenerationConfig | None = None,
+                 compile: bool = False) -> GenerateOutput:
         """Lossless speculative generation; `sequences` [B, prompt + new] as transformers' generate.
 
         generation_config: read in place of the base model's own, as transformers' generate takes it; the settings
@@ -231,16 +240,23 @@ class MedusaModel(nn.Module):
         (lists of token ids), in the same pass. `timer`: a
         loop.StepTimer that adds up each decoding stage's time. The base model and the heads run in eval mode, through
         copies: no module's mode is written (another thread may be training them).
+        `compile`: verify through torch.compile'd graphs of the base model (see compiled): each shape compiles once
+        per process and MedusaModel (minutes on a small CPU), then a step costs less; they are kept on this
+        MedusaModel, and compiled again after the base model's weights change.
         """
         _check_heads_follow(self.base_model, self.heads)
         sampling = resolve_sampling(self.base_model, do_sample, temperature, top_k, top_p, generation_config)
         eos, pad = special_tokens(self.base_model, eos_token_id, pad_token_id, generation_config)
         spec = self.spec
         batch = input_ids.shape[0] if torch.is_tensor(input_ids) and input_ids.dim() == 2 else 1  # else refused below
-        proposer = self._trees.proposer(self, tree, batch)
+        compiled = None
+        if compile:
+            compiled = self._compiled
+            compiled.prepare(self.base_model, spec, tuple(getattr(self.heads, "feature_layers", ())))
+        proposer = self._trees.proposer(self, tree, batch, compiled)
         proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,
-                      streamer, timer, self._packed_weights, generation_config)
+                      streamer, timer, self._packed_weights, generation_config, compiled)
 
 
 def _check_sizes(config: MedusaConfig, spec: BaseSpec, source: str) -> None:

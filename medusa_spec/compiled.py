@@ -1,0 +1,226 @@
+"""The base model's verify pass compiled for static shapes: generate(compile=True), gpt-fast's recipe on
+transformers' own modeling code.
+
+Why: an eager pass dispatches the base model's thousands of small ops one by one from Python, and on a CPU torch's
+fp32 linear kernels stream the weights of a one-row step well below the machine's memory rate. torch.compile
+(inductor) fuses the small ops into a few C++ loops and, on a CPU, with the weights frozen into the graph, computes
+the linear layers with its own GEMM kernels (experiments/2026-12-06-compiled/NOTES.md has the figures).
+
+Static shapes: a graph is compiled for each (rows, block, cache slots). A block of n nodes is padded to the next of
+BLOCK_SIZES (a padding node sees only itself and is never kept), so a tree whose size changes from step to step
+(eagle heads' dynamic trees, the lookup chain) meets a few graphs, not one per size; the cache is a buffer of
+slots rounded up to CACHE_SLOTS, grown (and compiled for again) when a long batch outruns it. Each graph compiles
+once per process (minutes on a small CPU: a line on stderr says when and for what); the weights are frozen into it,
+so a change to them (training, merging a LoRA) is detected at the next call, and every graph compiled again.
+
+The prompt is prefilled eagerly (its length changes with every call) and its slots copied into the buffer. Compiled
+kernels sum in another order than eager ones, as any two kernels do: greedy decoding stays lossless against the
+model computed that way, and is tested equal to transformers' greedy output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+import types
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, StaticLayer
+
+from .base import BaseSpec
+from .columnwise import columnwise_copy
+from .verify import attention_masks, base_features
+
+# Blocks are padded to the first of these at least as large (past the last, to a multiple of it).
+BLOCK_SIZES = (1, 8, 16, 32, 64)
+# The cache buffer's slots are a multiple of this, with room for at least ROOM_AFTER more than asked for (a block
+# at the end of the text).
+CACHE_SLOTS = 1024
+ROOM_AFTER = 16
+# Graphs a process may compile for one CompiledSteps before dynamo stops (shapes x models): fullgraph=True makes
+# hitting the limit an error rather than a silent fall back to eager.
+RECOMPILE_LIMIT = 64
+
+
+def block_size(n: int) -> int:
+    """The compiled block that verifies n nodes."""
+    last = BLOCK_SIZES[-1]
+    return next((size for size in BLOCK_SIZES if size >= n), -(-n // last) * last)
+
+
+def compile_options(device: torch.device, dtype: torch.dtype) -> dict:
+    """inductor's options for the verify graph on `device`. CPU: the weights frozen into the graph, so that its
+    linear layers run inductor's own C++ GEMM, which needs them constant: for fp32 where the CPU has the vector
+    instructions its kernel is written for, the only choice (nothing to time; aten's MKL linear was far slower on
+    the CPUs measured), else chosen against aten's by timing both. Other devices: inductor's defaults (not measured
+    here)."""
+    if device.type != "cpu":
+        return {}
+    from torch._inductor.cpu_vec_isa import pick_vec_isa  # inductor's own test for its vectorised kernels
+
+    backends = "CPP" if dtype == torch.float32 and pick_vec_isa() else "CPP,ATEN"
+    return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": backends,
+            "max_autotune_report_choices_stats": False}
+
+
+def _forward_of(model: nn.Module, spec: BaseSpec, feature_layers: tuple[int, ...]):
+    """`model`'s forward as the verify graph runs it, with a code object of its own. The model is a closure variable,
+    not an argument: inductor freezes the parameters of the modules a graph reads, not of those passed to it. Dynamo
+    keeps compiled graphs on the code object it compiled, so with their own code these graphs (and the weights frozen
+    into them) go when the function does, and their recompile count is their own (torch._dynamo.reset() would drop
+    every graph in the process, the caller's too)."""
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, mask, cache: Cache):
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                    output_hidden_states=True, return_dict=True, **{spec.cache_arg: cache})
+        return out.logits, base_features(out.hidden_states, feature_layers)
+
+    return types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
+                              forward.__closure__)
+
+
+class BufferLayer(StaticLayer):
+    """transformers' StaticLayer (a preallocated buffer its update writes into at cumulative_length), its tensors not
+    marked as static addresses: freezing folds such tensors into the graph as constants, as it does the weights, and
+    the graph would then write into the buffer of the cache it was compiled with, whatever cache it is given."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        self.keys = key_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim)
+        self.values = value_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.v_head_dim)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.is_initialized = True
+
+
+class CompiledSteps:
+    """One MedusaModel's compiled verify graphs, the model copy they run and the signature of the weights they froze.
+    A cache of compiled code: a pickled or copied CompiledSteps is empty."""
+
+    def __init__(self):
+        self.model: nn.Module | None = None
+        self.source: tuple | None = None  # (the base model's id, its tensors' ids and shapes)
+        self.signature: torch.Tensor | None = None
+        self.feature_layers: tuple[int, ...] = ()  # the base's layers whose states the graphs give
+        self.run = None  # the compiled forward
+        self.shapes: set[tuple] = set()  # (rows, block, cache slots) compiled so far
+        self.options: dict = {}  # inductor's, for the model's device (compile_options)
+        self.probes: dict[tuple, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    @torch.no_grad()
+    def prepare(self, base_model: nn.Module, spec: BaseSpec, feature_layers: tuple[int, ...]) -> None:
+        """Ready the graphs for `base_model` as it is now, giving the final hidden state and `feature_layers`' states
+        (the heads' feature layers: every proposer of theirs reads those or none): kept where the weights are the
+        ones they froze (the same tensors holding the same values), else dropped and compiled again at their first
+        call."""
+        tensors = list(itertools.chain(base_model.parameters(), base_model.buffers()))
+        source = (id(base_model), spec, feature_layers, tuple((id(t), tuple(t.shape), t.dtype) for t in tensors))
+        signature = self._signature(tensors)
+        if self.run is not None and source == self.source and torch.equal(signature, self.signature):
+            return
+        # An eval-mode copy with plain linear layers (inductor compiles those): the caller's model keeps its mode, and
+        # the output-capturing hooks transformers installs land on the copy, at its first call that asks for hidden
+        # states, under a lock dynamo cannot trace: that first call is an eager one.
+        self.model = columnwise_copy(base_model, eval_mode=True, linears=False)
+        device = base_model.get_output_embeddings().weight.device
+        self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), output_hidden_states=True,
+                   use_cache=False)
+        self.source, self.signature, self.feature_layers, self.shapes = source, signature, feature_layers, set()
+        self.run = torch.compile(_forward_of(self.model, spec, feature_layers), fullgraph=True, dynamic=False)
+        self.options = compile_options(device, base_model.get_output_embeddings().weight.dtype)
+
+    def _signature(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Each tensor's product with a fixed random vector: any change of its values shows, also one made through
+        `.data` (peft's merge_adapter), which leaves the version counter as it was."""
+        sums = []
+        for tensor in tensors:
+            flat = tensor.detach().reshape(tensor.shape[0] if tensor.dim() else 1, -1)
+            key = (flat.shape[1], flat.dtype, flat.device)
+            if key not in self.probes:  # its own generator: the caller's random stream stays as it was
+                probe = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(flat.shape[1]))
+                self.probes[key] = probe.to(flat.device, flat.dtype if flat.is_floating_point() else torch.float32)
+            probe = self.probes[key]
+            sums.append(flat.to(probe.dtype) @ probe)
+        return torch.cat(sums).float()
+
+    def adopt(self, cache: Cache, slots: int) -> Cache:
+        """A static cache of room for `slots` slots and ROOM_AFTER more (rounded up to CACHE_SLOTS), holding
+        `cache`'s (a prefill's)."""
+        room = -(-(slots + ROOM_AFTER) // CACHE_SLOTS) * CACHE_SLOTS
+        static = Cache(layers=[BufferLayer(room) for _ in cache.layers])
+        for layer, source in zip(static.layers, cache.layers):
+            layer.lazy_initialization(source.keys, source.values)
+            length = source.keys.shape[-2]
+            layer.keys[..., :length, :] = source.keys
+            layer.values[..., :length, :] = source.values
+        return static
+
+    def forward_block(self, spec: BaseSpec, input_ids: torch.Tensor, q_pos: torch.Tensor, block_mask: torch.Tensor,
+                      cache: Cache, kv_valid: torch.Tensor, kv_pos: torch.Tensor,
+                      feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """verify.forward_block through the compiled graph of this block's shape, on a static cache from adopt:
+        the block padded to block_size, its slots written after the kv_valid.shape[1] - N committed ones.
+        feature_layers: a subset of prepare's."""
+        rows, n = input_ids.shape
+        size = block_size(n)
+        past = kv_valid.shape[1] - n
+        if past + size > cache.layers[0].max_cache_len:
+            grown = self.adopt(_narrowed(cache, past), past + size)
+            cache.layers = grown.layers
+        if size > n:  # padding nodes: valid nowhere, each seeing only itself (attention_masks adds the diagonal)
+            pad = size - n
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, pad)], dim=1)
+            q_pos = torch.cat([q_pos, q_pos[:, -1:].expand(-1, pad)], dim=1)
+            block_mask = nn.functional.pad(block_mask, (0, pad, 0, pad), value=False)
+            kv_valid = torch.cat([kv_valid, kv_valid.new_zeros(rows, pad)], dim=1)
+            kv_pos = torch.cat([kv_pos, kv_pos[:, -1:].expand(-1, pad)], dim=1)
+        room = cache.layers[0].max_cache_len
+        dtype = self.model.get_output_embeddings().weight.dtype
+        mask = _padded(attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype), room)
+        for layer in cache.layers:  # where StaticLayer.update writes the block's keys and values
+            layer.cumulative_length.fill_(past)
+        shape = (rows, size, room)
+        if shape not in self.shapes:
+            print(f"medusa_spec: compiling the verify pass for {rows} row(s) x {size} nodes, {room} cache slots "
+                  f"(once per process and shape; minutes on a small CPU)", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+        # inductor's options as a patch around the call (a graph compiles at its shape's first call): torch.compile's
+        # options= did not reach freezing, and setting them process-wide would change the caller's compiles too.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT), \
+                torch._inductor.config.patch(self.options):
+            logits, hidden = self.run(input_ids, q_pos, mask, cache)
+        if shape not in self.shapes:
+            self.shapes.add(shape)
+            print(f"medusa_spec: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        if feature_layers != self.feature_layers:  # the final state, then the layers asked for, of those given
+            width = hidden.shape[-1] // (1 + len(self.feature_layers))
+            chunks = hidden.split(width, dim=-1)
+            hidden = torch.cat([chunks[0], *(chunks[1 + self.feature_layers.index(i)] for i in feature_layers)], -1)
+        return logits[:, :n], hidden[:, :n]
+
+
+def _narrowed(cache: Cache, length: int) -> Cache:
+    """A view of `cache`'s first `length` slots, as adopt reads a prefill's."""
+    view = Cache(layers=[BufferLayer(length) for _ in cache.layers])
+    for layer, source in zip(view.layers, cache.layers):
+        layer.keys, layer.values = source.keys[..., :length, :], source.values[..., :length, :]
+    return view
+
+
+def _padded(mask, room: int):
+    """A [B, 1, N, L] mask (or a dict of them) widened to `room` slots that no query sees."""
+    if isinstance(mask, dict):
+        return {kind: _padded(value, room) for kind, value in mask.items()}
+    extra = room - mask.shape[-1]
+    if mask.dtype == torch.bool:
+        return nn.functional.pad(mask, (0, extra), value=False)
+    return nn.functional.pad(mask, (0, extra), value=torch.finfo(mask.dtype).min)

@@ -1,0 +1,112 @@
+"""generate(compile=True): the verify pass through torch.compile'd graphs of the base model (medusa_spec.compiled),
+as lossless as the eager one, on every architecture, and invisible to the caller's model."""
+
+import pytest
+import torch
+
+from medusa_spec import DynamicTree, autotree, compiled
+from test_dynamic_tree import SETTINGS
+from test_eagle import eagle_heads
+from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
+from test_model_untouched import module_state
+from tiny_models import ARCHITECTURES, tiny_model
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_compiled_greedy_equals_transformers_on_every_architecture(arch):
+    """Speculation off (the 1-node graph) and a 7-node tree (the 8-node graph, padded) on one MedusaModel, over
+    prompts of other lengths: each call's cache is a new buffer, which the graphs must write, not the buffer they
+    were compiled with (marked as a static address, freezing folded it into the graph as a constant)."""
+    model = tiny_model(arch)
+    texts = [reference_generate(model, prompt(length, seed=seed), max_new_tokens=30, eos_token_id=None)
+             for seed, length in ((1, 11), (2, 6))]
+    mm = medusa(model, OracleHeads(model, [texts[0][0]]))
+    out = mm.generate(texts[0][:, :11], max_new_tokens=30, eos_token_id=[], tree=TREE, compile=True)
+    assert torch.equal(out.sequences, texts[0])
+    assert out.stats.tokens_per_step > 2.0, out.stats  # the oracle's tree was accepted: the tree mask held
+    for text, length in zip(texts, (11, 6)):
+        out = mm.generate(text[:, :length], max_new_tokens=30, eos_token_id=[], tree=[], compile=True)
+        assert torch.equal(out.sequences, text)
+    assert {shape[:2] for shape in mm._compiled.shapes} == {(1, 1), (1, 8)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_compiled_padded_batch_and_a_grown_cache_equal_per_row_generation(arch, monkeypatch):
+    """Rows of different lengths (sync points, padding slots) and a cache buffer too small for the whole call: it
+    grows (a new graph for the new length) and the text goes on exactly."""
+    monkeypatch.setattr(compiled, "CACHE_SLOTS", 8)
+    monkeypatch.setattr(compiled, "ROOM_AFTER", 0)
+    model = tiny_model(arch)
+    rows = [prompt(13, seed=10)[0], prompt(4, seed=11)[0]]
+    ids, mask = left_padded(rows)
+    per_row = [reference_generate(model, row[None], max_new_tokens=25, eos_token_id=None)[0] for row in rows]
+    mm = medusa(model, OracleHeads(model, per_row))
+    out = mm.generate(ids, attention_mask=mask, max_new_tokens=25, eos_token_id=[], tree=TREE, compile=True)
+    for b, row in enumerate(rows):
+        assert torch.equal(out.sequences[b, ids.shape[1]:], per_row[b][len(row):]), b
+    assert len({shape[2] for shape in mm._compiled.shapes}) > 1, mm._compiled.shapes  # the buffer grew
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_compiled_dynamic_trees_are_lossless_and_priced_by_the_compiled_graphs(head_type):
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=3, head_type=head_type, seed=1 if head_type == "eagle" else 2)
+    ids = prompt(seed=6)[:, :10]
+    text = reference_generate(model, ids, max_new_tokens=24, eos_token_id=None)
+    for tree in (DynamicTree(6), None):  # 6 nodes: padded to the 8-node graph
+        out = mm.generate(ids, max_new_tokens=24, eos_token_id=[], tree=tree, compile=True)
+        assert torch.equal(out.sequences, text), tree
+    priced = next(iter(mm._trees.compiled_trees.values()))
+    assert priced.nodes == 8 and len(priced.step_ms) == 8
+    assert {shape[1] for shape in mm._compiled.shapes} == {1, 8}  # the only graphs its steps ran
+    # Sizes 2..8 run one graph, the 8-node one: with drafting free, they cost the same.
+    free = autotree.compiled_dynamic_tree(mm, mm._compiled, {1: 0.0, 8: 0.0})
+    assert len(set(free.step_ms[1:])) == 1 and free.step_ms[0] != free.step_ms[1]
+
+
+@pytest.mark.parametrize("sampling", SETTINGS[1:3], ids=str)
+def test_compiled_sampling_draws_what_eager_sampling_draws(sampling):
+    """Same seed, same draws: the compiled pass gives the eager pass's distribution (to rounding), and the loop's
+    sampling is the one the eager loop's chi-square tests cover."""
+    model = tiny_model("llama")
+    mm = medusa(model, share_lm_head=False)
+    ids = prompt(seed=3)
+    options = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0,
+                   top_p=sampling.top_p or 1.0)
+    runs = []
+    for compile_ in (False, True):
+        torch.manual_seed(5)
+        runs.append(mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=TREE, compile=compile_,
+                                **options).sequences)
+    assert torch.equal(*runs)
+
+
+def test_changed_weights_are_compiled_again():
+    """Freezing copies the weights into the graphs: an edit through .data (as peft's merge_adapter makes), which
+    leaves the version counter as it was, must still reach the next call."""
+    model = tiny_model("llama")
+    mm = medusa(model, share_lm_head=False)
+    ids = prompt(seed=4)
+    mm.generate(ids, max_new_tokens=5, eos_token_id=[], tree=[], compile=True)
+    first = mm._compiled.run
+    with torch.no_grad():
+        model.get_output_embeddings().weight.data[:, :8] *= -1.0
+    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
+    out = mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=[], compile=True)
+    assert torch.equal(out.sequences, expected)
+    assert mm._compiled.run is not first
+    mm.generate(ids, max_new_tokens=5, eos_token_id=[], tree=[], compile=True)
+    assert len(mm._compiled.shapes) == 1  # the same weights again: nothing compiled again
+
+
+def test_compiling_leaves_the_callers_model_as_it_was():
+    model = tiny_model("llama").train()
+    before = module_state(model)
+    mm = medusa(model, share_lm_head=False)
+    mm.generate(prompt(seed=5), max_new_tokens=10, eos_token_id=[], tree=TREE, compile=True)
+    assert module_state(model) == before  # no hooks, flags or compiled forwards on the caller's modules
+    assert model.training
+
+
+def test_block_sizes():
+    assert [compiled.block_size(n) for n in (1, 2, 8, 9, 16, 17, 64, 65, 130)] == [1, 8, 8, 16, 16, 32, 64, 128, 192]
