@@ -126,10 +126,11 @@ def eos_ids(base_model) -> set[int]:
 
 
 def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tree, drafts=None,
-               lookup_tokens: int = LOOKUP_TOKENS, llama: LlamaCpp | None = None) -> dict:
+               lookup_tokens: int = LOOKUP_TOKENS, llama: LlamaCpp | None = None, compile: bool = False) -> dict:
     """One generation; returns new tokens, seconds, forward passes (None where unknown) and the sequence, and
     for this library's methods the seconds of each decoding stage (stage_seconds) over timed_steps steps.
-    drafts: {method: draft model} for the draft methods; llama: the engine of llama_cpp."""
+    drafts: {method: draft model} for the draft methods; llama: the engine of llama_cpp; compile: the MedusaModel's
+    methods verify through compiled graphs (generate(compile=True))."""
     base = mm.base_model
     if method == "llama_cpp":
         start = time.perf_counter()
@@ -159,7 +160,8 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
         options = {"medusa_off": dict(tree=[]), "medusa_sample": SAMPLING,
                    "medusa_lookup": dict(lookup_tokens=lookup_tokens),
                    "lookup": dict(tree=[], lookup_tokens=lookup_tokens)}.get(method, {})
-        out = mm.generate(input_ids, mask, max_new_tokens=max_new_tokens, timer=timer, **{"tree": tree, **options})
+        out = mm.generate(input_ids, mask, max_new_tokens=max_new_tokens, timer=timer, compile=compile,
+                          **{"tree": tree, **options})
     seconds = time.perf_counter() - start
     record = {"new_tokens": out.stats.new_tokens[0], "seconds": seconds, "steps": out.stats.row_steps[0],
               "stage_seconds": timer.seconds, "timed_steps": timer.steps, "sequence": out.sequences[0].cpu()}
@@ -186,10 +188,11 @@ def draft_models(base_model, methods, self_draft_layers: int | None = None, draf
 
 def bench(mm, tokenizer, prompts: list[tuple[str, str]], max_new_tokens: int = 256, tree=None,
           methods=DEFAULT_METHODS, seed: int = 0, drafts=None, lookup_tokens: int = LOOKUP_TOKENS,
-          gguf: str | Path | None = None) -> list[dict]:
+          gguf: str | Path | None = None, compile: bool = False) -> list[dict]:
     """Per-prompt records of every method; the methods' order rotates from prompt to prompt.
     drafts: {method: draft model} for the draft methods among `methods` (see draft_models); gguf: the GGUF file of
-    the same weights that llama_cpp decodes, on as many threads as torch uses."""
+    the same weights that llama_cpp decodes, on as many threads as torch uses; compile: this library's methods
+    verify through compiled graphs, every block size they may meet compiled before the first prompt."""
     methods = tuple(methods)
     missing = [m for m in methods if m in DRAFT_METHODS and m not in (drafts or {})]
     if missing:
@@ -205,12 +208,15 @@ def bench(mm, tokenizer, prompts: list[tuple[str, str]], max_new_tokens: int = 2
         longest = max(ids.shape[1] for ids in [warm] + [ids for _, ids in encoded])
         llama = LlamaCpp(gguf, longest + max_new_tokens, torch.get_num_threads(), eos_ids(mm.base_model))
     for method in methods:  # first calls pay one-off costs (allocations, kernel selection)
-        run_method(method, mm, warm, 4, tree, drafts, lookup_tokens, llama)
+        run_method(method, mm, warm, 4, tree, drafts, lookup_tokens, llama, compile)
+    if compile and {"medusa_lookup", "lookup"} & set(methods):
+        # the graphs of the blocks a lookup chain may add: compiled now, not inside a timed prompt
+        mm.compile_blocks([8 + lookup_tokens, lookup_tokens + 1])
     records = []
     for i, (category, input_ids) in enumerate(tqdm(encoded, desc="bench", unit="prompt")):
         order = methods[i % len(methods):] + methods[: i % len(methods)]
-        results = {method: run_method(method, mm, input_ids, max_new_tokens, tree, drafts, lookup_tokens, llama)
-                   for method in order}
+        results = {method: run_method(method, mm, input_ids, max_new_tokens, tree, drafts, lookup_tokens, llama,
+                                      compile) for method in order}
         reference = results[REFERENCE]["sequence"] if REFERENCE in results else None
         for method, result in results.items():
             sequence = result.pop("sequence")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench, default_model
+from . import autotree, bench, default_model
 from .config import MedusaConfig
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
 from .flags import add_flag, check_device, default_device, positive_int
@@ -74,7 +74,7 @@ def load(args, heads_tree: bool = True):
         print("[no heads given: untrained heads, expect no speed-up]", file=sys.stderr)
     tree = "auto" if args.tree is None and heads_tree else args.tree
     if tree == "auto":
-        tree, args.tree_table = _auto_tree(mm)
+        tree, args.tree_table = _auto_tree(mm, getattr(args, "compile", False))
     args.tree = sized_tree(mm, tree)
     return mm, tokenizer
 
@@ -96,11 +96,16 @@ def _heads_path(args):
     return args.heads
 
 
-def _auto_tree(mm):
+def _auto_tree(mm, compile: bool = False):
     """--tree auto: generate's tree=None. For eagle heads a dynamic tree (MedusaModel.dynamic_tree); for others, with
     rank accuracies in the heads, the tree measured on this machine, then re-chosen as the heads guess on the text
     (see MedusaModel.default_choices), else the heads' own tree.
-    Returns (tree, the measured table: verify and drafting milliseconds and expected figures per tree size)."""
+    Returns (tree, the measured table: verify and drafting milliseconds and expected figures per tree size).
+    compile: eagle heads' tree is priced by the compiled graphs at generate's first call, nothing timed here."""
+    if getattr(mm.heads, "draft_layer", None) is not None and compile:
+        print(f"[tree auto: eagle heads on a dynamic tree of at most {autotree.COMPILED_TREE_NODES} nodes, priced by "
+              f"the compiled verify graphs at the first call]", file=sys.stderr)
+        return None, None
     if getattr(mm.heads, "draft_layer", None) is not None:
         dynamic = mm.dynamic_tree()
         table = [{"nodes": n, "step_ms": round(ms, 2)} for n, ms in enumerate(dynamic.step_ms, 1)]
@@ -164,7 +169,8 @@ def load_speculation(args):
         if draft is not None:
             return generate_with_draft(base, draft, ids, num_draft_tokens=args.draft_tokens,
                                        max_draft_tokens=args.max_draft_tokens, **options)
-        return mm.generate(ids, tree=args.tree, lookup_tokens=args.lookup, documents=documents, **options)
+        return mm.generate(ids, tree=args.tree, lookup_tokens=args.lookup, documents=documents, compile=args.compile,
+                           **options)
 
     return speculate, mm, tokenizer
 
@@ -192,7 +198,7 @@ def generate(args) -> int:
     if args.compare:  # first calls pay one-off costs (allocations, kernel choice): warm both up, as bench does
         with torch.inference_mode():
             base.generate(ids.to(args.device), max_new_tokens=2, do_sample=False)
-        mm.generate(ids, max_new_tokens=4, tree=args.tree)
+        mm.generate(ids, max_new_tokens=4, tree=args.tree, compile=args.compile)
     torch.manual_seed(args.seed)  # after the warm-up, which may sample too: the same seed, the same sampled text
     out = speculate(ids, TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
     stats = out.stats
@@ -268,7 +274,7 @@ def run_bench(args) -> int:
     prompts = bench.read_eval_prompts(args.prompts, args.per_category, args.prompt_field)[: args.limit]
     gguf = gguf if "llama_cpp" in methods else None
     records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, methods, seed=args.seed,
-                          drafts=drafts, lookup_tokens=lookup, gguf=gguf)
+                          drafts=drafts, lookup_tokens=lookup, gguf=gguf, compile=args.compile)
     heads = _heads_path(args)
 
     def shown(path):  # as any clone can read it (bench.shown_path): a report is committed beside the heads it measured
@@ -276,7 +282,7 @@ def run_bench(args) -> int:
 
     meta = {"model": shown(args.model) or default_model.MODEL_NAME, "heads": shown(heads),
             "prompts": [bench.shown_prompt_spec(spec) for spec in args.prompts], "gguf": shown(gguf),
-            "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+            "max_new_tokens": args.max_new_tokens, "tree": args.tree, "compile": args.compile,
             "methods": list(methods), "skipped": skipped, "lookup_tokens": lookup,
             "self_draft_layers": args.self_draft_layers, "draft_model": shown(args.draft_model),
             "tree_auto_table": getattr(args, "tree_table", None),
@@ -345,6 +351,7 @@ def _add_proposer_options(parser) -> None:
 
 def _add_speculation_options(parser) -> None:
     """How generate and chat run the proposer they speculate with."""
+    add_flag(parser, "compile", False)
     add_flag(parser, "documents")
     add_flag(parser, "draft_tokens")
     add_flag(parser, "max_draft_tokens")
@@ -387,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_seed_option(p)
     add_flag(p, "prompts", [str(bench.MT_BENCH)], default_help="MT-bench's 80 questions, shipped")
     add_flag(p, "prompt_field")
+    add_flag(p, "compile", False)
     p.add_argument("--per-category", type=positive_int, default=None, metavar="N",
                    help="prompts per category (default: all)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N",

@@ -143,6 +143,9 @@ FLAGS = {
     "system_prompt": Flag("a system message put before every conversation", metavar="TEXT", unset="none"),
     # Sampling: each one not given resolves as in transformers' generate (inputs.resolve_sampling), so a model whose
     # generation_config samples samples here too.
+    "compile": Flag("verify through torch.compile'd graphs of the base model: each shape compiles once per process "
+                    "(minutes on a small CPU, a line on stderr says so), then every step costs less; in bench, "
+                    "this library's methods", type=bool),
     "do_sample": Flag("sample; --no-do-sample: greedy", type=bool, unset=_FROM_GENERATION_CONFIG.format("greedy")),
     "temperature": Flag("sampling temperature", type=float, unset=_FROM_GENERATION_CONFIG.format("1.0")),
     "top_k": Flag("sample among the K most likely tokens, 0: all", type=int, metavar="K",

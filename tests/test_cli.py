@@ -567,3 +567,33 @@ def test_a_recipe_section_that_is_not_an_object_names_the_file_and_the_section(t
     assert main([command, "--config", str(recipe)]) == 2
     assert f"{recipe}: the recipe's {command!r} section is a JSON {kind}, not an object; write it as" in \
         capsys.readouterr().err
+
+
+def test_compile_flag_compiles_generate_and_bench(model_dir, tmp_path, capsys, monkeypatch):
+    """--compile reaches MedusaModel.generate in generate and bench; bench compiles the lookup chain's blocks before
+    its first timed prompt and records that it compiled."""
+    import json
+
+    from medusa_spec import MedusaModel
+
+    calls, generate = [], MedusaModel.generate
+
+    def recording_generate(self, input_ids, *args, **kwargs):
+        calls.append((kwargs.get("compile"), set(self._compiled.shapes)))
+        return generate(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(MedusaModel, "generate", recording_generate)
+    assert main(["generate", "w5 w9 w11 w7", "--model", str(model_dir), "--max-new-tokens", "8", "--compare",
+                 "--compile"]) == 0
+    assert "identical: True" in capsys.readouterr().err and calls and all(c for c, _ in calls)
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"category": "a", "turns": ["w5 w6 w7 w5 w6"]}))
+    calls.clear()
+    out = tmp_path / "report"
+    assert main(["bench", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "8", "--compile",
+                 "--methods", "hf_greedy", "medusa_off", "medusa_lookup", "--output", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["meta"]["compile"] is True
+    assert report["summary"]["overall"]["medusa_lookup"]["equal_to_reference"] == 1.0
+    timed = calls[-2:]  # the prompt's two runs: every block the chain may add was compiled before them
+    assert all(c for c, _ in timed) and {shape[1] for shape in timed[0][1]} >= {1, 16}
