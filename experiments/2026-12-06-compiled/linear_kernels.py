@@ -1,4 +1,4 @@
-# One-off: a one-row step's weights through each linear kernel (GB/s); run beside a nice-19 training job (see NOTES.md).
+# One-off: a one-row step's weights (SmolLM2-135M's shapes) through each linear kernel, GB/s (see NOTES.md).
 import time
 
 import torch
@@ -59,3 +59,18 @@ if packs:
 Wt = [w.t().contiguous() for w in Ws]
 d = t(lambda: [inp(w) @ wt for w, wt in zip(Ws, Wt)])
 print("x@Wt", d * 1e3, nbytes / d / 1e9)
+
+
+# The same product as a mul-sum reduction that inductor compiles: one compiled call per weight, then one graph.
+def gemv(x, w):
+    return (w * x).sum(-1)
+
+
+each = torch.compile(gemv, dynamic=False)
+t(lambda: [each(inp(w)[0], w) for w in Ws], n=1)  # compiles
+d = t(lambda: [each(inp(w)[0], w) for w in Ws])
+print("compiled mul-sum, a call per weight", d * 1e3, nbytes / d / 1e9)
+graph = torch.compile(lambda *ws: [gemv(inp(w)[0], w) for w in ws])
+t(lambda: graph(*Ws), n=1)
+d = t(lambda: graph(*Ws))
+print("compiled mul-sum, one graph", d * 1e3, nbytes / d / 1e9)
