@@ -21,6 +21,8 @@ model computed that way, and is tested equal to transformers' greedy output.
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import sys
 import time
 import types
@@ -63,6 +65,13 @@ def compile_options(device: torch.device, dtype: torch.dtype) -> dict:
     backends = "CPP" if dtype == torch.float32 and pick_vec_isa() else "CPP,ATEN"
     return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": backends,
             "max_autotune_report_choices_stats": False}
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would call (the CXX environment variable, else g++; clang++ on macOS),
+    where it is installed; None where it is not."""
+    default = "clang++" if sys.platform == "darwin" else "g++"
+    return shutil.which(os.environ.get("CXX") or default)
 
 
 def _forward_of(model: nn.Module, spec: BaseSpec, feature_layers: tuple[int, ...]):
@@ -127,11 +136,15 @@ class CompiledSteps:
         signature = self._signature(tensors)
         if self.run is not None and source == self.source and torch.equal(signature, self.signature):
             return
+        device = base_model.get_output_embeddings().weight.device
+        if device.type == "cpu" and cpp_compiler() is None:
+            raise RuntimeError("compile=True on a CPU needs a C++ compiler for torch.compile's kernels and none was "
+                               "found (g++, or the one the CXX environment variable names): install one (e.g. apt "
+                               "install g++) or generate without compile")
         # An eval-mode copy with plain linear layers (inductor compiles those): the caller's model keeps its mode, and
         # the output-capturing hooks transformers installs land on the copy, at its first call that asks for hidden
         # states, under a lock dynamo cannot trace: that first call is an eager one.
         self.model = columnwise_copy(base_model, eval_mode=True, linears=False)
-        device = base_model.get_output_embeddings().weight.device
         self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), output_hidden_states=True,
                    use_cache=False)
         self.source, self.signature, self.feature_layers, self.shapes = source, signature, feature_layers, set()

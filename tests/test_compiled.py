@@ -108,5 +108,12 @@ def test_compiling_leaves_the_callers_model_as_it_was():
     assert model.training
 
 
+def test_a_cpu_without_a_cpp_compiler_is_told_what_to_install(monkeypatch):
+    monkeypatch.setattr(compiled, "cpp_compiler", lambda: None)
+    mm = medusa(tiny_model("llama"), share_lm_head=False)
+    with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler .* install one"):
+        mm.generate(prompt(seed=5), max_new_tokens=4, tree=[], compile=True)
+
+
 def test_block_sizes():
     assert [compiled.block_size(n) for n in (1, 2, 8, 9, 16, 17, 64, 65, 130)] == [1, 8, 8, 16, 16, 32, 64, 128, 192]
