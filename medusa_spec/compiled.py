@@ -6,12 +6,15 @@ fp32 linear kernels stream the weights of a one-row step well below the machine'
 (inductor) fuses the small ops into a few C++ loops and, on a CPU, with the weights frozen into the graph, computes
 the linear layers with its own GEMM kernels (experiments/2026-12-06-compiled/NOTES.md has the figures).
 
-Static shapes: a graph is compiled for each (rows, block, cache slots). A block of n nodes is padded to the next of
-BLOCK_SIZES (a padding node sees only itself and is never kept), so a tree whose size changes from step to step
-(eagle heads' dynamic trees, the lookup chain) meets a few graphs, not one per size; the cache is a buffer of
-slots rounded up to CACHE_SLOTS, grown (and compiled for again) when a long batch outruns it. Each graph compiles
-once per process (minutes on a small CPU: a line on stderr says when and for what); the weights are frozen into it,
-so a change to them (training, merging a LoRA) is detected at the next call, and every graph compiled again.
+Shapes: a graph is compiled for each (rows, block). A block of n nodes is padded to the next of BLOCK_SIZES (a
+padding node sees only itself and is never kept), so a tree whose size changes from step to step (eagle heads'
+dynamic trees, the lookup chain) meets a few graphs, not one per size. The cache is a preallocated buffer of slots
+(rounded up to CACHE_SLOTS, grown when a long batch outruns it), and the one dimension a graph leaves dynamic is how
+many of its slots a pass attends to: the text's so far, not the whole buffer, whose empty slots cost attention as
+much as the text's (on SmolLM2-135M, a quarter of a one-row step with 1,024 slots after 240 tokens), and one graph
+serves every length of text. Each graph compiles once per process (minutes on a small CPU: a line on stderr says when
+and for what); the weights are frozen into it, so a change to them (training, merging a LoRA) is detected at the next
+call, and every graph compiled again.
 
 The prompt is prefilled eagerly (its length changes with every call) and its slots copied into the buffer. Compiled
 kernels sum in another order than eager ones, as any two kernels do: greedy decoding stays lossless against the
@@ -93,16 +96,23 @@ def _forward_of(model: nn.Module, spec: BaseSpec, feature_layers: tuple[int, ...
 class BufferLayer(StaticLayer):
     """transformers' StaticLayer (a preallocated buffer its update writes into at cumulative_length), its tensors not
     marked as static addresses: freezing folds such tensors into the graph as constants, as it does the weights, and
-    the graph would then write into the buffer of the cache it was compiled with, whatever cache it is given."""
+    the graph would then write into the buffer of the cache it was compiled with, whatever cache it is given.
+    Its keys and values are the buffer's first slots (window): a graph attends over those alone, not the whole
+    buffer, whose slots past the text cost attention as much as those in it."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-        self.keys = key_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim)
-        self.values = value_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.v_head_dim)
+        self.buffers = (key_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim),
+                        value_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.v_head_dim))
+        self.keys, self.values = self.buffers
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
+
+    def window(self, length: int) -> None:
+        """Keys and values: the buffer's first `length` slots."""
+        self.keys, self.values = (buffer[:, :, :length] for buffer in self.buffers)
 
 
 class CompiledSteps:
@@ -115,7 +125,7 @@ class CompiledSteps:
         self.signature: torch.Tensor | None = None
         self.feature_layers: tuple[int, ...] = ()  # the base's layers whose states the graphs give
         self.run = None  # the compiled forward
-        self.shapes: set[tuple] = set()  # (rows, block, cache slots) compiled so far
+        self.shapes: set[tuple] = set()  # (rows, block) compiled so far
         self.options: dict = {}  # inductor's, for the model's device (compile_options)
         self.probes: dict[tuple, torch.Tensor] = {}
 
@@ -181,8 +191,8 @@ class CompiledSteps:
                       cache: Cache, kv_valid: torch.Tensor, kv_pos: torch.Tensor,
                       feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """verify.forward_block through the compiled graph of this block's shape, on a static cache from adopt:
-        the block padded to block_size, its slots written after the kv_valid.shape[1] - N committed ones.
-        feature_layers: a subset of prepare's."""
+        the block padded to block_size, its slots written after the kv_valid.shape[1] - N committed ones, attending
+        to those slots and its own. feature_layers: a subset of prepare's."""
         rows, n = input_ids.shape
         size = block_size(n)
         past = kv_valid.shape[1] - n
@@ -196,16 +206,22 @@ class CompiledSteps:
             block_mask = nn.functional.pad(block_mask, (0, pad, 0, pad), value=False)
             kv_valid = torch.cat([kv_valid, kv_valid.new_zeros(rows, pad)], dim=1)
             kv_pos = torch.cat([kv_pos, kv_pos[:, -1:].expand(-1, pad)], dim=1)
-        room = cache.layers[0].max_cache_len
         dtype = self.model.get_output_embeddings().weight.dtype
-        mask = _padded(attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype), room)
-        for layer in cache.layers:  # where StaticLayer.update writes the block's keys and values
+        mask = attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype)
+        for layer in cache.layers:  # the slots attended to, and where StaticLayer.update writes the block's
+            layer.window(past + size)
             layer.cumulative_length.fill_(past)
-        shape = (rows, size, room)
+        shape = (rows, size)
         if shape not in self.shapes:
-            print(f"medusa_spec: compiling the verify pass for {rows} row(s) x {size} nodes, {room} cache slots "
-                  f"(once per process and shape; minutes on a small CPU)", file=sys.stderr, flush=True)
+            print(f"medusa_spec: compiling the verify pass for {rows} row(s) x {size} nodes (once per process and "
+                  f"shape; minutes on a small CPU)", file=sys.stderr, flush=True)
             start = time.perf_counter()
+            # One graph for any text length: the slots attended to are a dimension of their own.
+            for each in mask.values() if isinstance(mask, dict) else [mask]:  # [B, 1, N, L]
+                torch._dynamo.mark_dynamic(each, 3)
+            for layer in cache.layers:  # [B, heads, L, head_dim]
+                torch._dynamo.mark_dynamic(layer.keys, 2)
+                torch._dynamo.mark_dynamic(layer.values, 2)
         # inductor's options as a patch around the call (a graph compiles at its shape's first call): torch.compile's
         # options= did not reach freezing, and setting them process-wide would change the caller's compiles too.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT), \
@@ -227,13 +243,3 @@ def _narrowed(cache: Cache, length: int) -> Cache:
     for layer, source in zip(view.layers, cache.layers):
         layer.keys, layer.values = source.keys[..., :length, :], source.values[..., :length, :]
     return view
-
-
-def _padded(mask, room: int):
-    """A [B, 1, N, L] mask (or a dict of them) widened to `room` slots that no query sees."""
-    if isinstance(mask, dict):
-        return {kind: _padded(value, room) for kind, value in mask.items()}
-    extra = room - mask.shape[-1]
-    if mask.dtype == torch.bool:
-        return nn.functional.pad(mask, (0, extra), value=False)
-    return nn.functional.pad(mask, (0, extra), value=torch.finfo(mask.dtype).min)
