@@ -98,14 +98,16 @@ class BufferLayer(StaticLayer):
     marked as static addresses: freezing folds such tensors into the graph as constants, as it does the weights, and
     the graph would then write into the buffer of the cache it was compiled with, whatever cache it is given.
     Its keys and values are the buffer's first slots (window): a graph attends over those alone, not the whole
-    buffer, whose slots past the text cost attention as much as those in it."""
+    buffer, whose slots past the text cost attention as much as those in it. The slots are the buffer's outer
+    dimension, so that a window's strides are the same whatever its length and the buffer's: a graph guards on
+    strides, and another stride would compile it again."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-        self.buffers = (key_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim),
-                        value_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.v_head_dim))
+        self.buffers = tuple(states.new_zeros(self.max_cache_len, self.batch_size, self.num_heads, states.shape[-1])
+                             .permute(1, 2, 0, 3) for states in (key_states, value_states))  # [B, heads, slots, dim]
         self.keys, self.values = self.buffers
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
@@ -211,6 +213,9 @@ class CompiledSteps:
         for layer in cache.layers:  # the slots attended to, and where StaticLayer.update writes the block's
             layer.window(past + size)
             layer.cumulative_length.fill_(past)
+        # Copies in every call's strides: a graph guards on them, also a size-1 dimension's, which .contiguous()
+        # keeps (a chain of one token expanded to n nodes arrives with stride 0).
+        input_ids, q_pos = (values.new_empty(values.shape).copy_(values) for values in (input_ids, q_pos))
         shape = (rows, size)
         if shape not in self.shapes:
             print(f"medusa_spec: compiling the verify pass for {rows} row(s) x {size} nodes (once per process and "

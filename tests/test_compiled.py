@@ -53,6 +53,26 @@ def test_compiled_padded_batch_and_a_grown_cache_equal_per_row_generation(arch, 
     assert mm._compiled.shapes == {(2, 8)}, mm._compiled.shapes  # the tree's block alone
 
 
+def test_a_compiled_shape_never_compiles_again(monkeypatch):
+    """After each block's graph is compiled (by compile_blocks, whose timed chains are expanded views of one token),
+    no later call compiles again: not for other text lengths, nor on buffers of other sizes (the windows' strides
+    stay the same). A graph guards on its inputs' strides, a compile takes minutes on a CPU, and such a silent one
+    once landed inside a benchmark's timed steps."""
+    monkeypatch.setattr(compiled, "CACHE_SLOTS", 8)
+    monkeypatch.setattr(compiled, "ROOM_AFTER", 0)
+    model = tiny_model("llama")
+    texts = [reference_generate(model, prompt(length, seed=seed), max_new_tokens=24, eos_token_id=None)
+             for seed, length in ((1, 11), (2, 5), (3, 19))]
+    mm = medusa(model, OracleHeads(model, [texts[0][0]]))
+    mm.compile_blocks([1, 8])
+    with torch.compiler.set_stance("fail_on_recompile"):  # a compile would raise
+        for text, length in zip(texts, (11, 5, 19)):
+            for tree in (TREE, []):
+                out = mm.generate(text[:, :length], max_new_tokens=24, eos_token_id=[], tree=tree, compile=True)
+                assert torch.equal(out.sequences, text)
+    assert mm._compiled.shapes == {(1, 1), (1, 8)}
+
+
 @pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
 def test_compiled_dynamic_trees_are_lossless_and_priced_by_the_compiled_graphs(head_type):
     model = tiny_model("llama")
