@@ -11,10 +11,10 @@ padding node sees only itself and is never kept), so a tree whose size changes f
 dynamic trees, the lookup chain) meets a few graphs, not one per size. The cache is a preallocated buffer of slots
 (rounded up to CACHE_SLOTS, grown when a long batch outruns it), and the one dimension a graph leaves dynamic is how
 many of its slots a pass attends to: the text's so far, not the whole buffer, whose empty slots cost attention as
-much as the text's (on SmolLM2-135M, a quarter of a one-row step with 1,024 slots after 240 tokens), and one graph
-serves every length of text. Each graph compiles once per process (minutes on a small CPU: a line on stderr says when
-and for what); the weights are frozen into it, so a change to them (training, merging a LoRA) is detected at the next
-call, and every graph compiled again.
+much as the text's (experiments/2026-12-06-compiled-step/NOTES.md), and one graph serves every length of text.
+Each graph compiles once per process (minutes on a small CPU: a line on stderr says when and for what); the weights
+are frozen into it, so a change to them (training, merging a LoRA) is detected at the next call, and every graph
+compiled again.
 
 The prompt is prefilled eagerly (its length changes with every call) and its slots copied into the buffer. Compiled
 kernels sum in another order than eager ones, as any two kernels do: greedy decoding stays lossless against the
