@@ -93,7 +93,7 @@ def keep_accepted(cache: DynamicCache, past_length: int, keep: torch.Tensor) -> 
             gathered = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
             # Written over the block's first slots in place and narrowed to a view: the past is not copied
             # (the cache's next update concatenates into a new tensor anyway). A static layer (compiled's buffer)
-            # stays whole: its graphs' shapes are fixed, and their masks hide the slots past the kept ones.
+            # is left as it is: each pass sets the slots it attends to (compiled.BufferLayer.window).
             states[:, :, past_length:kept] = gathered
             if not isinstance(layer, StaticLayer):
                 setattr(layer, name, states[:, :, :kept])
