@@ -39,8 +39,8 @@ PROBE_ROWS = 4
 # evidence, so a few lucky or unlucky steps move the choice little.
 ADAPT_EVERY = 8
 PRIOR_ROW_STEPS = 16
-# generate(tree=None, compile=True)'s dynamic trees for eagle heads: at most this many nodes, one compiled block size
-# (compiled.BLOCK_SIZES), so that a step runs one of two graphs (this one, or the root's alone).
+# generate(tree=None, compile=True)'s dynamic trees for eagle heads: at most this many nodes, a compiled block size
+# (compiled.BLOCK_SIZES), so that a step runs one of the few graphs of the sizes up to it.
 COMPILED_TREE_NODES = 8
 
 
@@ -151,8 +151,8 @@ def measure_compiled_verify(mm, compiled: CompiledSteps, sizes: tuple[int, ...],
 def compiled_dynamic_tree(mm, compiled: CompiledSteps, draft_seconds: dict[int, float],
                           nodes: int = COMPILED_TREE_NODES) -> DynamicTree:
     """generate(tree=None, compile=True)'s tree for eagle heads (one row): a DynamicTree of at most `nodes` nodes
-    (a compiled block size), each size priced at its block's compiled verify pass (a 2-node tree costs what an
-    8-node one does: both run the 8-node graph) plus drafting (draft_seconds, timed eagerly, as the proposer runs)."""
+    (a compiled block size), each size priced at its block's compiled verify pass (a 3-node tree costs what a
+    4-node one does: both run the 4-node graph) plus drafting (draft_seconds, timed eagerly, as the proposer runs)."""
     most = min(nodes, dynamic_sizes(mm)[-1])
     blocks = tuple(sorted({block_size(n) for n in range(1, most + 1)}))
     verify = measure_compiled_verify(mm, compiled, blocks)

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .autotree import COMPILED_TREE_NODES
+from .compiled import block_size
 from .draft import generate_with_draft, self_draft
 from .lookup import LOOKUP_TOKENS
 from .loop import StepTimer
@@ -211,7 +213,7 @@ def bench(mm, tokenizer, prompts: list[tuple[str, str]], max_new_tokens: int = 2
         run_method(method, mm, warm, 4, tree, drafts, lookup_tokens, llama, compile)
     if compile and {"medusa_lookup", "lookup"} & set(methods):
         # the graphs of the blocks a lookup chain may add: compiled now, not inside a timed prompt
-        mm.compile_blocks([8 + lookup_tokens, lookup_tokens + 1])
+        mm.compile_blocks(sorted({block_size(n) for n in range(1, COMPILED_TREE_NODES + lookup_tokens + 1)}))
     records = []
     for i, (category, input_ids) in enumerate(tqdm(encoded, desc="bench", unit="prompt")):
         order = methods[i % len(methods):] + methods[: i % len(methods)]

@@ -38,8 +38,10 @@ from .base import BaseSpec
 from .columnwise import columnwise_copy
 from .verify import attention_masks, base_features
 
-# Blocks are padded to the first of these at least as large (past the last, to a multiple of it).
-BLOCK_SIZES = (1, 8, 16, 32, 64)
+# Blocks are padded to the first of these at least as large (past the last, to a multiple of it). Every power of two
+# up to 8, each a graph more to compile: on a CPU a node more is arithmetic on every weight, so a 2- or 4-node tree
+# padded to 8 nodes paid a third more than its own graph (experiments/2026-12-06-compiled-step/NOTES.md).
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # The cache buffer's slots are a multiple of this, with room for at least ROOM_AFTER more than asked for (a block
 # at the end of the text).
 CACHE_SLOTS = 1024

@@ -84,10 +84,10 @@ def test_compiled_dynamic_trees_are_lossless_and_priced_by_the_compiled_graphs(h
         assert torch.equal(out.sequences, text), tree
     priced = next(iter(mm._trees.compiled_trees.values()))
     assert priced.nodes == 8 and len(priced.step_ms) == 8
-    assert {shape[1] for shape in mm._compiled.shapes} == {1, 8}  # the only graphs its steps ran
-    # Sizes 2..8 run one graph, the 8-node one: with drafting free, they cost the same.
+    assert {shape[1] for shape in mm._compiled.shapes} == {1, 2, 4, 8}  # the only graphs its steps ran
+    # Sizes 5..8 run one graph, the 8-node one, and 3..4 the 4-node one: with drafting free, they cost the same.
     free = autotree.compiled_dynamic_tree(mm, mm._compiled, {1: 0.0, 8: 0.0})
-    assert len(set(free.step_ms[1:])) == 1 and free.step_ms[0] != free.step_ms[1]
+    assert len(set(free.step_ms[4:])) == 1 and free.step_ms[2] == free.step_ms[3] != free.step_ms[4]
 
 
 @pytest.mark.parametrize("sampling", SETTINGS[1:3], ids=str)
@@ -142,4 +142,5 @@ def test_a_cpu_without_a_cpp_compiler_is_told_what_to_install(monkeypatch):
 
 
 def test_block_sizes():
-    assert [compiled.block_size(n) for n in (1, 2, 8, 9, 16, 17, 64, 65, 130)] == [1, 8, 8, 16, 16, 32, 64, 128, 192]
+    assert [compiled.block_size(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 64, 65, 130)] == [1, 2, 4, 8, 8, 16, 16, 32, 64,
+                                                                                       128, 192]
