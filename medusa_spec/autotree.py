@@ -69,7 +69,7 @@ def _fastest_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
 @torch.inference_mode()
 def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5,
                        rank_accuracy=None, batch: int = 1, packs: PackedWeights | None = None,
-                       dynamic: bool = False) -> tuple[dict[int, float], dict[int, float]]:
+                       dynamic: bool = False, time_verify: bool = True) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of one step of drafting n nodes,
     for each n in sizes, `batch` rows at once (a batch verifies batch x n rows): through the decoding loop's own
     stages, the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept)
@@ -78,7 +78,9 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     is one call per tree depth, so a tree of the same size but another shape costs another time (over a full
     vocabulary, a one-level 4-node tree drafted several times faster than the two-level one the accuracies chose).
     `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights).
-    `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n)."""
+    `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n).
+    `time_verify=False`: the drafting alone (each verify pass runs once, for the step drafting starts from), and
+    no verify seconds ({})."""
     base, spec = columnwise_copy(mm.base_model, packs=packs, eval_mode=True), mm.spec  # as the decoding loop runs it
     device = base.get_output_embeddings().weight.device
     # Any tokens: only the costs count. A generator of its own: the process-wide one, which other threads and the
@@ -118,7 +120,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         proposer.update(steps[n])
         proposer.propose(root)
 
-    latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device)
+    latency = _fastest_seconds({n: partial(verify, steps[n].candidates) for n in trees}, repeats, device) \
+        if time_verify else {}
     draft_seconds = _fastest_seconds({n: partial(draft, n) for n in trees}, repeats, device)
     return latency, draft_seconds
 
@@ -346,18 +349,25 @@ class StepCosts:
 
 
 def measure_costs(mm, packs: PackedWeights | None = None, dynamic: bool = False, sizes=AUTO_SIZES,
-                  context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS) -> StepCosts:
+                  context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS,
+                  verify_costs: StepCosts | None = None) -> StepCosts:
     """StepCosts of `mm`'s heads on this machine (measure_step_costs for one row and for PROBE_ROWS rows): static
-    trees grown from the heads' rank accuracies, or with `dynamic` eagle heads' DynamicTree (dynamic_sizes)."""
-    one_row = dynamic_sizes(mm, sizes) if dynamic else list(sizes)
-    probed = [n for n in one_row if n * PROBE_ROWS <= max(sizes)] or [1]
+    trees grown from the heads' rank accuracies, or with `dynamic` eagle heads' DynamicTree (dynamic_sizes).
+    `verify_costs`: StepCosts whose verify passes these trees' would repeat (a pass of n nodes costs what it costs
+    whatever drafted them): their sizes and verify seconds are taken, and only the drafting is timed."""
+    if verify_costs is None:
+        one_row = dynamic_sizes(mm, sizes) if dynamic else list(sizes)
+        probed = [n for n in one_row if n * PROBE_ROWS <= max(sizes)] or [1]
+    else:
+        one_row, probed = (sorted(verify_costs.verify[rows]) for rows in (1, verify_costs.probe_rows))
     measured = {}
     for rows, timed in ((1, one_row), (PROBE_ROWS, probed)):
         measured[rows] = measure_step_costs(mm, sizes=timed, context=context, repeats=repeats,
                                             rank_accuracy=None if dynamic else rank_accuracy(mm.config),
-                                            batch=rows, packs=packs, dynamic=dynamic)
-    return StepCosts({rows: costs[0] for rows, costs in measured.items()},
-                     {rows: costs[1] for rows, costs in measured.items()}, PROBE_ROWS)
+                                            batch=rows, packs=packs, dynamic=dynamic,
+                                            time_verify=verify_costs is None)
+    verify = verify_costs.verify if verify_costs is not None else {rows: c[0] for rows, c in measured.items()}
+    return StepCosts(verify, {rows: costs[1] for rows, costs in measured.items()}, PROBE_ROWS)
 
 
 def rank_accuracy(config) -> list[list[float]] | None:
@@ -388,9 +398,14 @@ class TreeChoice:
         self.compiled_trees: dict[tuple[torch.device, torch.dtype, int], DynamicTree] = {}
 
     def step_costs(self, mm, dynamic: bool = False) -> StepCosts:
+        """Eagle heads' static trees (their batches' trees) take the verify passes timed for their dynamic ones and
+        time only their own drafting: a batch size met first after a one-row call then pays a fraction of a second
+        for it, not the seconds of timing every verify pass again."""
         device, dtype = model_device_dtype(mm.base_model)
         if (device, dtype, dynamic) not in self.costs:  # timed on tokens of their own generator
-            self.costs[device, dtype, dynamic] = measure_costs(mm, self.packs, dynamic)
+            eagle = getattr(mm.heads, "draft_layer", None) is not None
+            verify_costs = self.step_costs(mm, dynamic=True) if eagle and not dynamic else None
+            self.costs[device, dtype, dynamic] = measure_costs(mm, self.packs, dynamic, verify_costs=verify_costs)
         return self.costs[device, dtype, dynamic]
 
     def table(self, mm, batch: int = 1) -> list[dict]:

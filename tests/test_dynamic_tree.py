@@ -256,7 +256,7 @@ def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
     calls = []
     seconds = {1: 0.040, 2: 0.050, 4: 0.030, 8: 0.050, 16: 0.060, 32: 0.080, 37: 0.090}
 
-    def measure(model, sizes, context, repeats, rank_accuracy, batch, packs, dynamic):
+    def measure(model, sizes, context, repeats, rank_accuracy, batch, packs, dynamic, time_verify):
         calls.append((tuple(sizes), batch, dynamic))
         return {n: seconds[n] * (1 if batch == 1 else 2) for n in sizes}, dict.fromkeys(sizes, 0.005)
 
@@ -273,6 +273,35 @@ def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
     assert [round(two.step_ms[n - 1], 6) for n in (1, 4, 8, 16)] == \
         [round(1000 * (4 / 3 * seconds[4] + 0.005), 6)] * 2 + [round(1000 * (4 / 3 * s + 0.005), 6)
                                                               for s in (seconds[8], seconds[16])]
+
+
+def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypatch):
+    """A batch's static trees verify as the dynamic trees do: after a one-row call (whose dynamic trees timed the
+    verify passes), a batch times its trees' drafting alone and prices them with the dynamic trees' verify passes;
+    another batch size times nothing; every row's text is transformers'."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=3, metrics={"eval": {"rank_accuracy": [[0.6, 0.2, 0.1, 0.05]] * 3}})
+    calls, measure = [], autotree.measure_step_costs
+
+    def counting(*args, **kwargs):
+        calls.append((kwargs["batch"], kwargs["dynamic"], kwargs.get("time_verify", True)))
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(autotree, "measure_step_costs", counting)
+    rows = [prompt(seed=6)[0, :10], prompt(seed=7)[0, :5], prompt(seed=8)[0, :7]]
+    texts = [reference_generate(model, row[None], max_new_tokens=16, eos_token_id=None)[0] for row in rows]
+    assert torch.equal(mm.generate(rows[0][None], max_new_tokens=16, eos_token_id=[]).sequences[0], texts[0])
+    probe = autotree.PROBE_ROWS
+    assert calls == [(1, True, True), (probe, True, True)]
+    for batch in (2, 3):
+        ids, mask = left_padded(rows[:batch])
+        out = mm.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
+        for b, row in enumerate(rows[:batch]):
+            assert torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]), (batch, b)
+        assert calls[2:] == [(1, False, False), (probe, False, False)]  # the drafting, once, at the first batch
+    static, dynamic = (mm._trees.costs[torch.device("cpu"), torch.float32, kind] for kind in (False, True))
+    assert static.verify == dynamic.verify
+    assert set(static.draft[1]) == set(dynamic.verify[1]) and set(static.draft[probe]) == set(dynamic.verify[probe])
 
 
 def test_measured_dynamic_steps_time_the_dynamic_drafting(monkeypatch):
