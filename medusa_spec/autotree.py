@@ -79,8 +79,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     vocabulary, a one-level 4-node tree drafted several times faster than the two-level one the accuracies chose).
     `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights).
     `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n).
-    `time_verify=False`: the drafting alone (each verify pass runs once, for the step drafting starts from), and
-    no verify seconds ({})."""
+    `time_verify=False`: the drafting alone, from a step whose states are the prompt's last ones (no verify pass
+    runs), and no verify seconds ({})."""
     base, spec = columnwise_copy(mm.base_model, packs=packs, eval_mode=True), mm.spec  # as the decoding loop runs it
     device = base.get_output_embeddings().weight.device
     # Any tokens: only the costs count. A generator of its own: the process-wide one, which other threads and the
@@ -97,6 +97,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
 
     def verify(candidates: Candidates) -> torch.Tensor:
         """As the decoding loop verifies, then a commit in which no row goes on: the cache stays at `context`."""
+        if not time_verify:  # the drafting alone: any states of the pass's shape will do (only the costs count)
+            return hidden[:, -1:].expand(-1, candidates.tree.num_nodes, -1).contiguous()
         _, verified = loop.verify(base, spec, slots, candidates, layers)
         loop.commit(slots, keep_nothing, no_rows, none_going)
         return verified
@@ -354,19 +356,21 @@ def measure_costs(mm, packs: PackedWeights | None = None, dynamic: bool = False,
     """StepCosts of `mm`'s heads on this machine (measure_step_costs for one row and for PROBE_ROWS rows): static
     trees grown from the heads' rank accuracies, or with `dynamic` eagle heads' DynamicTree (dynamic_sizes).
     `verify_costs`: StepCosts whose verify passes these trees' would repeat (a pass of n nodes costs what it costs
-    whatever drafted them): their sizes and verify seconds are taken, and only the drafting is timed."""
+    whatever drafted them): the sizes its probe timed and their verify seconds are taken, and only the drafting is
+    timed (the sizes a batch chooses from: see StepCosts.at)."""
     if verify_costs is None:
         one_row = dynamic_sizes(mm, sizes) if dynamic else list(sizes)
         probed = [n for n in one_row if n * PROBE_ROWS <= max(sizes)] or [1]
     else:
-        one_row, probed = (sorted(verify_costs.verify[rows]) for rows in (1, verify_costs.probe_rows))
+        one_row = probed = sorted(verify_costs.verify[verify_costs.probe_rows])
     measured = {}
     for rows, timed in ((1, one_row), (PROBE_ROWS, probed)):
         measured[rows] = measure_step_costs(mm, sizes=timed, context=context, repeats=repeats,
                                             rank_accuracy=None if dynamic else rank_accuracy(mm.config),
                                             batch=rows, packs=packs, dynamic=dynamic,
                                             time_verify=verify_costs is None)
-    verify = verify_costs.verify if verify_costs is not None else {rows: c[0] for rows, c in measured.items()}
+    verify = {rows: {n: verify_costs.verify[rows][n] for n in timed} for rows, timed in
+              ((1, one_row), (PROBE_ROWS, probed))} if verify_costs else {rows: c[0] for rows, c in measured.items()}
     return StepCosts(verify, {rows: costs[1] for rows, costs in measured.items()}, PROBE_ROWS)
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from medusa_spec import DynamicTree, MedusaConfig, MedusaModel, autotree
+from medusa_spec import DynamicTree, MedusaConfig, MedusaModel, autotree, loop
 from medusa_spec.inputs import resolve_sampling
 from medusa_spec.kv_cache import new_cache
 from medusa_spec.lookup import with_lookup
@@ -281,13 +281,17 @@ def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypa
     another batch size times nothing; every row's text is transformers'."""
     model = tiny_model("llama")
     mm = eagle_heads(model, num_heads=3, metrics={"eval": {"rank_accuracy": [[0.6, 0.2, 0.1, 0.05]] * 3}})
-    calls, measure = [], autotree.measure_step_costs
+    calls, passes, measure, verify = [], [], autotree.measure_step_costs, loop.verify
 
     def counting(*args, **kwargs):
         calls.append((kwargs["batch"], kwargs["dynamic"], kwargs.get("time_verify", True)))
-        return measure(*args, **kwargs)
+        before = len(passes)
+        costs = measure(*args, **kwargs)
+        assert calls[-1][2] or len(passes) == before  # timing the drafting alone runs no verify pass
+        return costs
 
     monkeypatch.setattr(autotree, "measure_step_costs", counting)
+    monkeypatch.setattr(loop, "verify", lambda *args, **kwargs: passes.append(1) or verify(*args, **kwargs))
     rows = [prompt(seed=6)[0, :10], prompt(seed=7)[0, :5], prompt(seed=8)[0, :7]]
     texts = [reference_generate(model, row[None], max_new_tokens=16, eos_token_id=None)[0] for row in rows]
     assert torch.equal(mm.generate(rows[0][None], max_new_tokens=16, eos_token_id=[]).sequences[0], texts[0])
@@ -300,8 +304,11 @@ def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypa
             assert torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]), (batch, b)
         assert calls[2:] == [(1, False, False), (probe, False, False)]  # the drafting, once, at the first batch
     static, dynamic = (mm._trees.costs[torch.device("cpu"), torch.float32, kind] for kind in (False, True))
-    assert static.verify == dynamic.verify
-    assert set(static.draft[1]) == set(dynamic.verify[1]) and set(static.draft[probe]) == set(dynamic.verify[probe])
+    # The sizes a batch chooses from (those the probe timed), at the dynamic trees' verify seconds.
+    sizes = set(dynamic.verify[probe])
+    assert set(static.verify[1]) == set(static.draft[1]) == set(static.verify[probe]) == set(static.draft[probe]) \
+        == sizes
+    assert all(static.verify[rows][n] == dynamic.verify[rows][n] for rows in (1, probe) for n in sizes)
 
 
 def test_measured_dynamic_steps_time_the_dynamic_drafting(monkeypatch):
