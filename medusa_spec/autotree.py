@@ -79,16 +79,21 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     vocabulary, a one-level 4-node tree drafted several times faster than the two-level one the accuracies chose).
     `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights).
     `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n).
-    `time_verify=False`: the drafting alone, from a step whose states are the prompt's last ones (no verify pass
-    runs), and no verify seconds ({})."""
-    base, spec = columnwise_copy(mm.base_model, packs=packs, eval_mode=True), mm.spec  # as the decoding loop runs it
-    device = base.get_output_embeddings().weight.device
-    # Any tokens: only the costs count. A generator of its own: the process-wide one, which other threads and the
-    # caller's seeded draws use, is neither drawn from nor rewound.
-    ids = torch.randint(0, spec.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+    `time_verify=False`: the drafting alone, and no verify seconds ({}): the base model runs no pass, neither the
+    prompt's (its states are random ones of their shape) nor a verify pass (a step's states are the prompt's last)."""
+    spec, layers = mm.spec, getattr(mm.heads, "feature_layers", ())
+    device, dtype = model_device_dtype(mm.base_model)
+    # Any tokens and states: only the costs count. A generator of its own: the process-wide one, which other threads
+    # and the caller's seeded draws use, is neither drawn from nor rewound.
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec.vocab_size, (batch, context), generator=generator).to(device)
     valid = torch.ones_like(ids, dtype=torch.bool)
-    layers = getattr(mm.heads, "feature_layers", ())
-    _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)
+    if time_verify:
+        base = columnwise_copy(mm.base_model, packs=packs, eval_mode=True)  # as the decoding loop runs it
+        _, hidden, slots = prefill(base, spec, ids, valid, new_cache(), feature_layers=layers)
+    else:  # the proposer reads the base model's embeddings and LM head as generate's does
+        base, width = mm.base_model, spec.hidden_size * (1 + len(layers))  # verify.base_features' width
+        hidden = torch.randn(batch, context, width, generator=generator).to(device, dtype)
     root = ids[:, -1]  # any token: only the costs count
     prompt = Prompt(ids, valid, hidden, root, None)
     keep_nothing = torch.zeros(batch, 0, dtype=torch.long, device=device)

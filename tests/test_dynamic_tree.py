@@ -281,17 +281,18 @@ def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypa
     another batch size times nothing; every row's text is transformers'."""
     model = tiny_model("llama")
     mm = eagle_heads(model, num_heads=3, metrics={"eval": {"rank_accuracy": [[0.6, 0.2, 0.1, 0.05]] * 3}})
-    calls, passes, measure, verify = [], [], autotree.measure_step_costs, loop.verify
+    calls, passes, measure, verify, prefill = [], [], autotree.measure_step_costs, loop.verify, autotree.prefill
 
     def counting(*args, **kwargs):
         calls.append((kwargs["batch"], kwargs["dynamic"], kwargs.get("time_verify", True)))
         before = len(passes)
         costs = measure(*args, **kwargs)
-        assert calls[-1][2] or len(passes) == before  # timing the drafting alone runs no verify pass
+        assert calls[-1][2] or len(passes) == before  # timing the drafting alone runs the base model not once
         return costs
 
     monkeypatch.setattr(autotree, "measure_step_costs", counting)
     monkeypatch.setattr(loop, "verify", lambda *args, **kwargs: passes.append(1) or verify(*args, **kwargs))
+    monkeypatch.setattr(autotree, "prefill", lambda *args, **kwargs: passes.append(1) or prefill(*args, **kwargs))
     rows = [prompt(seed=6)[0, :10], prompt(seed=7)[0, :5], prompt(seed=8)[0, :7]]
     texts = [reference_generate(model, row[None], max_new_tokens=16, eos_token_id=None)[0] for row in rows]
     assert torch.equal(mm.generate(rows[0][None], max_new_tokens=16, eos_token_id=[]).sequences[0], texts[0])
