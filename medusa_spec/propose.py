@@ -330,7 +330,7 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             paths.append(path)
             levels.append(count + logp.shape[1])
             count += logp.shape[1]
-            if d == depth:
+            if d == depth or self.complete(values, value):
                 break  # the deepest candidates' slots would only guess below the tree
             kept = value.topk(min(self.dynamic.beam, value.numel())).indices
             drafted.append(index[kept])
@@ -365,6 +365,18 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
         self.tree = Tree(tree_depth, parent, tree_mask, node_paths)
         self.node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1)[:, chosen]], dim=1)
         return Candidates(self.node_tokens, self.tree)
+
+    def complete(self, values: list[torch.Tensor], value: torch.Tensor) -> bool:
+        """Whether no candidate of a deeper level could enter the step's tree, so that drafting stops at this level
+        (`value`, the last of `values`) with the tree and size that drafting every level would give: a deeper
+        candidate is worth at most its beam ancestor, at most this level's best, and that is no more than the
+        `nodes - 1`-th best candidate so far (on a tie the earlier candidate ranks first). A small tree of confident
+        guesses then skips its deeper draft passes. On a CPU only: the test reads a value on the host each level,
+        which on a GPU is a sync that costs more than the pass it may save."""
+        nodes = self.dynamic.nodes
+        if value.device.type != "cpu" or nodes < 2 or sum(v.numel() for v in values) < nodes - 1:
+            return False
+        return bool(value.max() <= torch.cat(values).topk(nodes - 1).values[-1])
 
     def size(self, ordered: list[float], matched: float) -> int:
         """The step's tree size, root included, for the candidates' probabilities `ordered` (best first, summed over

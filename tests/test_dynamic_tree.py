@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from medusa_spec import DynamicTree, MedusaConfig, MedusaModel, autotree, loop
+from medusa_spec.eagle import DraftLayer
 from medusa_spec.inputs import resolve_sampling
 from medusa_spec.kv_cache import new_cache
 from medusa_spec.lookup import with_lookup
@@ -310,6 +311,37 @@ def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypa
     assert set(static.verify[1]) == set(static.draft[1]) == set(static.verify[probe]) == set(static.draft[probe]) \
         == sizes
     assert all(static.verify[rows][n] == dynamic.verify[rows][n] for rows in (1, probe) for n in sizes)
+
+
+def test_drafting_stops_where_no_deeper_candidate_could_enter_the_tree(monkeypatch):
+    """A tree of 3 nodes from 4 levels of heads: drafting stops at the level past which no candidate could be chosen
+    (fewer draft-layer passes), and every step's tree is the one that drafting every level gives."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=4)
+    ids = prompt(seed=6)[:, :10]
+    text = reference_generate(model, ids, max_new_tokens=24, eos_token_id=None)
+    propose, forward = DynamicDraftLayerProposer.propose, DraftLayer.forward
+    runs = {}
+    for every_level in (False, True):
+        steps, passes = [], []
+
+        def recording_propose(self, root):
+            candidates = propose(self, root)
+            steps.append((candidates.node_tokens.clone(), candidates.tree.parent.clone()))
+            return candidates
+
+        monkeypatch.setattr(DynamicDraftLayerProposer, "propose", recording_propose)
+        monkeypatch.setattr(DraftLayer, "forward", lambda *args, **kwargs: passes.append(1) or forward(*args, **kwargs))
+        if every_level:
+            monkeypatch.setattr(DynamicDraftLayerProposer, "complete", lambda self, values, value: False)
+        out = mm.generate(ids, max_new_tokens=24, eos_token_id=[], tree=DynamicTree(3))
+        assert torch.equal(out.sequences, text)
+        runs[every_level] = steps, len(passes)
+        monkeypatch.undo()
+    (stopped, stopped_passes), (full, full_passes) = runs[False], runs[True]
+    assert len(stopped) == len(full)
+    assert all(torch.equal(a, b) for step, other in zip(stopped, full) for a, b in zip(step, other))
+    assert stopped_passes < full_passes
 
 
 def test_measured_dynamic_steps_time_the_dynamic_drafting(monkeypatch):
