@@ -370,9 +370,9 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
         """Whether no candidate of a deeper level could enter the step's tree, so that drafting stops at this level
         (`value`, the last of `values`) with the tree and size that drafting every level would give: a deeper
         candidate is worth at most its beam ancestor, at most this level's best, and that is no more than the
-        `nodes - 1`-th best candidate so far (on a tie the earlier candidate ranks first). A small tree of confident
-        guesses then skips its deeper draft passes. On a CPU only: the test reads a value on the host each level,
-        which on a GPU is a sync that costs more than the pass it may save."""
+        `nodes - 1`-th best candidate so far (on a tie the earlier candidate ranks first). A small tree whose shallow
+        candidates outrank every deeper path then skips its deeper draft passes. On a CPU only: the test reads a
+        value on the host each level, which on a GPU is a sync that costs more than the pass it may save."""
         nodes = self.dynamic.nodes
         if value.device.type != "cpu" or nodes < 2 or sum(v.numel() for v in values) < nodes - 1:
             return False
