@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from . import loop
+from . import cost_cache, loop
 from .base import model_device_dtype
 from .columnwise import PackedWeights, columnwise_copy
 from .compiled import CompiledSteps, block_size
@@ -355,6 +355,22 @@ class StepCosts:
 
         return model(self.verify), model(self.draft)
 
+    def to_dict(self) -> dict:
+        """As JSON keeps it (cost_cache): rows and nodes become strings."""
+        return {"verify": self.verify, "draft": self.draft, "probe_rows": self.probe_rows}
+
+    @classmethod
+    def from_dict(cls, kept: dict) -> StepCosts | None:
+        """StepCosts from to_dict's JSON; None for anything else (a file of another shape is timed again)."""
+        try:
+            costs = cls(*({int(rows): {int(n): float(s) for n, s in sizes.items()} for rows, sizes in kept[k].items()}
+                          for k in ("verify", "draft")), int(kept["probe_rows"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        complete = {1, costs.probe_rows} <= set(costs.verify) and set(costs.verify) == set(costs.draft)
+        return costs if complete and all(costs.verify[r] and set(costs.verify[r]) == set(costs.draft[r])
+                                         for r in costs.verify) else None
+
 
 def measure_costs(mm, packs: PackedWeights | None = None, dynamic: bool = False, sizes=AUTO_SIZES,
                   context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS,
@@ -398,8 +414,9 @@ def required_rank_accuracy(config) -> list[list[float]]:
 class TreeChoice:
     """tree=None's choices for one MedusaModel, in one place: the step costs of its base model, measured at the
     first call for each device, dtype and kind of tree (static, or eagle heads' dynamic one) and kept (costs differ
-    by orders of magnitude between devices and dtypes, and moving the model must not keep costs timed elsewhere),
-    and the trees they give each batch size, modelled without timing anything more (StepCosts.at).
+    by orders of magnitude between devices and dtypes, and moving the model must not keep costs timed elsewhere;
+    also on disk, for the next process on this machine: cost_cache), and the trees they give each batch size,
+    modelled without timing anything more (StepCosts.at).
     `packs`: the MedusaModel's packed weights, which the timed steps compute from as generate's do."""
 
     def __init__(self, packs: PackedWeights | None = None):
@@ -412,10 +429,16 @@ class TreeChoice:
         time only their own drafting: a batch size met first after a one-row call then pays a fraction of a second
         for it, not the seconds of timing every verify pass again."""
         device, dtype = model_device_dtype(mm.base_model)
-        if (device, dtype, dynamic) not in self.costs:  # timed on tokens of their own generator
-            eagle = getattr(mm.heads, "draft_layer", None) is not None
-            verify_costs = self.step_costs(mm, dynamic=True) if eagle and not dynamic else None
-            self.costs[device, dtype, dynamic] = measure_costs(mm, self.packs, dynamic, verify_costs=verify_costs)
+        if (device, dtype, dynamic) not in self.costs:
+            # Timed by an earlier process on this machine (cost_cache), else now, on tokens of their own generator.
+            path = cost_cache.costs_file(mm, dynamic)
+            costs = StepCosts.from_dict(cost_cache.read(path) or {})
+            if costs is None:
+                eagle = getattr(mm.heads, "draft_layer", None) is not None
+                verify_costs = self.step_costs(mm, dynamic=True) if eagle and not dynamic else None
+                costs = measure_costs(mm, self.packs, dynamic, verify_costs=verify_costs)
+                cost_cache.write(path, costs.to_dict())
+            self.costs[device, dtype, dynamic] = costs
         return self.costs[device, dtype, dynamic]
 
     def table(self, mm, batch: int = 1) -> list[dict]:

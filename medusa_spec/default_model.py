@@ -54,10 +54,15 @@ def gguf_path() -> Path:
     raise FileNotFoundError(f"{DISTRIBUTION} is installed but holds no {GGUF_NAME}; reinstall it with `{INSTALL_HINT}`")
 
 
+def cache_root() -> Path:
+    """Where medusa_spec keeps what it makes once (the default model, step costs): $MEDUSA_SPEC_CACHE, else
+    $XDG_CACHE_HOME/medusa_spec, else ~/.cache/medusa_spec."""
+    return Path(os.environ.get("MEDUSA_SPEC_CACHE")
+                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa_spec")
+
+
 def cache_dir() -> Path:
-    root = (os.environ.get("MEDUSA_SPEC_CACHE")
-            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa_spec")
-    return Path(root) / MODEL_NAME
+    return cache_root() / MODEL_NAME
 
 
 def prepare(path: Path | None = None, gguf: Path | None = None) -> Path:

@@ -135,7 +135,8 @@ class MedusaModel(nn.Module):
     def tree_table(self, batch: int = 1) -> list[dict]:
         """The trees `tree=None` chooses from, for a batch of `batch` rows: a row per tree size (rank paths, verify
         and drafting milliseconds, expected figures). The step costs are timed at the first call, for one row and
-        for autotree.PROBE_ROWS rows, and kept on this MedusaModel for the base model's device and dtype; any batch
+        for autotree.PROBE_ROWS rows, and kept on this MedusaModel for the base model's device and dtype, and on disk
+        for later processes on this machine (cost_cache; MEDUSA_SPEC_STEP_COSTS=0 turns that off); any batch
         size is modelled from them (autotree.StepCosts.at: a batch verifies batch x
         nodes rows, so on a CPU it can afford fewer nodes) without timing anything more."""
         return self._trees.table(self, batch)
@@ -230,8 +231,8 @@ class MedusaModel(nn.Module):
         probabilities and step costs measured at the first call on this machine (see dynamic_tree). Other heads, and
         eagle heads for a batch, see default_choices: with the adapter's rank accuracies, the tree with the most
         expected tokens per second for step costs measured once, at the first call on this machine (a few seconds;
-        then kept on this MedusaModel), and modelled for this batch size (see tree_table), re-chosen every few steps
-        for how often the heads guess right on this text (down to the root alone; stats.tree_sizes shows each
+        then kept on this MedusaModel and on disk), and modelled for this batch size (see tree_table), re-chosen every
+        few steps for how often the heads guess right on this text (down to the root alone; stats.tree_sizes shows each
         step's), or no speculation at all where the costs say no tree pays for this batch; without accuracies the
         adapter's stored tree. An explicit tree is kept as given; `[]` turns speculation off (one token per step,
         same loop). Which proposer each `tree` gives: autotree.TreeChoice.proposer.
