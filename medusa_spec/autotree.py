@@ -284,18 +284,25 @@ class AdaptiveTree(Proposer):
     speculation (scripts/bench_batch.py). The evidence is how often the heads' top depth-1 guess is the base
     model's next token, read every step, in the still-generating row where that is rarest (a batch runs until
     its last row is done). While the root alone is in use the heads still draft that one guess (a one-node
-    draft, next to a verify pass), so speculation comes back when the text turns predictable."""
+    draft, next to a verify pass), so speculation comes back when the text turns predictable.
+    `fewer_rows`: {rows: the table for that many rows}, for a batch whose finished rows have left it (loop.decode):
+    fewer rows afford larger trees, so the tree is chosen again from that table at once."""
 
-    def __init__(self, proposer: Proposer, table: list[dict], rank_accuracy):
+    def __init__(self, proposer: Proposer, table: list[dict], rank_accuracy,
+                 fewer_rows: dict[int, list[dict]] | None = None):
         self.proposer, self.table, self.rank_accuracy = proposer, table, rank_accuracy
+        self.fewer_rows = fewer_rows or {}
         self.modules, self.feature_layers = proposer.modules, proposer.feature_layers
-        self.max_depth = max((len(path) for row in table for path in row["tree"]), default=1)
+        self.max_depth = max((len(path) for rows in (table, *self.fewer_rows.values()) for row in rows
+                              for path in row["tree"]), default=1)
 
     def start(self, prompt: Prompt) -> None:
         self.proposer.start(prompt)
         device = prompt.root.device
         # Every tree built once; a tree without rank path [0] (its node 1) gives no evidence that step.
-        self.trees = {row["nodes"]: build_tree(row["tree"] or [[0]]).to(device) for row in self.table}
+        # (grow_tree gives every table the same tree of n nodes)
+        self.trees = {row["nodes"]: build_tree(row["tree"] or [[0]]).to(device)
+                      for rows in (self.table, *self.fewer_rows.values()) for row in rows}
         self.root_alone = chain_tree(0).to(device)
         self.row = best_tree(self.table, self.rank_accuracy)
         self.hits = torch.zeros(prompt.root.shape[0], dtype=torch.long, device=device)
@@ -320,11 +327,22 @@ class AdaptiveTree(Proposer):
             self.seen += step.active
         self.steps += 1
         if self.steps % ADAPT_EVERY == 0:
-            # The still-generating row with the lowest hit rate, the held-out rate weighing as in calibrated_accuracy.
-            prior = PRIOR_ROW_STEPS * self.rank_accuracy[0][0]
-            rate = ((self.hits + prior) / (self.seen + PRIOR_ROW_STEPS)).masked_fill(~step.going, float("inf"))
-            hits, seen = torch.stack([self.hits, self.seen])[:, rate.argmin()].tolist()
-            self.row = best_tree(self.table, calibrated_accuracy(self.rank_accuracy, hits, seen))
+            self.row = best_tree(self.table, self.accuracy(step.going))
+
+    def accuracy(self, going: torch.Tensor) -> list[list[float]]:
+        """The accuracies calibrated_accuracy gives for the still-generating row (going [B]) with the lowest hit rate,
+        the held-out rate weighing as there."""
+        prior = PRIOR_ROW_STEPS * self.rank_accuracy[0][0]
+        rate = ((self.hits + prior) / (self.seen + PRIOR_ROW_STEPS)).masked_fill(~going, float("inf"))
+        hits, seen = torch.stack([self.hits, self.seen])[:, rate.argmin()].tolist()
+        return calibrated_accuracy(self.rank_accuracy, hits, seen)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.proposer.keep_rows(rows)
+        self.hits, self.seen = self.hits[rows], self.seen[rows]
+        if len(rows) in self.fewer_rows:
+            self.table = self.fewer_rows[len(rows)]
+            self.row = best_tree(self.table, self.accuracy(torch.ones_like(self.hits, dtype=torch.bool)))
 
     def finish(self, stats: GenerationStats) -> None:
         self.proposer.finish(stats)
@@ -486,12 +504,16 @@ class TreeChoice:
             return heads_proposer(mm.base_model, mm.heads, self.dynamic_tree(mm, batch) if tree is None else tree,
                                   packs)
         if tree is None and accuracy:
-            chosen, table = choose_tree(accuracy, *self.step_costs(mm).at(batch))
+            costs = self.step_costs(mm)
+            chosen, table = choose_tree(accuracy, *costs.at(batch))
             if not chosen:
                 return RootOnly()
             # The root alone still drafts its one guess (AdaptiveTree's evidence): the heads' proposer on [[0]].
             first = best_tree(table, accuracy)["tree"] or [[0]]
-            return AdaptiveTree(heads_proposer(mm.base_model, mm.heads, build_tree(first), packs), table, accuracy)
+            # The tables of the batch once its finished rows have left it (loop.decode).
+            fewer_rows = {rows: choose_tree(accuracy, *costs.at(rows))[1] for rows in range(1, batch)}
+            return AdaptiveTree(heads_proposer(mm.base_model, mm.heads, build_tree(first), packs), table, accuracy,
+                                fewer_rows)
         return heads_proposer(mm.base_model, mm.heads, self.medusa_tree(mm, tree, batch), packs)
 
     def medusa_tree(self, mm, tree: list[list[int]] | None, batch: int = 1) -> MedusaTree:

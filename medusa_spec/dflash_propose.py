@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 
 from .base import inspect_base_model, model_device_dtype
 from .columnwise import columnwise_copy
-from .dflash import DFlashDraft, _check_base
+from .dflash import DFlashContext, DFlashDraft, _check_base
 from .inputs import resolve_sampling, special_tokens
 from .loop import StepTimer, Streamer, decode
 from .output import GenerateOutput
@@ -69,6 +69,12 @@ class DFlashProposer(Proposer):
         self.context = self.draft.context(self.features(states), self.next_pos[:, None] + offsets,
                                           offsets < n_kept[:, None], self.context)
         self.next_pos = self.next_pos + n_kept
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        context = self.context
+        self.context = DFlashContext(tuple(k[rows] for k in context.keys), tuple(v[rows] for v in context.values),
+                                     context.valid[rows], context.positions[rows])
+        self.next_pos = self.next_pos[rows]
 
 
 def dflash_tree(draft: DFlashDraft, tree: list[list[int]] | None) -> MedusaTree:

@@ -235,6 +235,10 @@ class DraftModelProposer(Proposer):
             self.draft_length = choose_draft_length(alpha, self.draft_time / self.draft_forwards,
                                                     self.verify_time / len(self.draft_lengths), self.max_draft_tokens)
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.slots, self.unseen, self.unseen_valid = self.slots.select(rows), self.unseen[rows], self.unseen_valid[rows]
+        self.tokens_left = [self.tokens_left[r] for r in rows.tolist()]
+
     def finish(self, stats: GenerationStats) -> None:
         stats.draft_lengths = self.draft_lengths
         drafted = sum(k > 0 for k in self.draft_lengths)

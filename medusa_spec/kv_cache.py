@@ -70,6 +70,17 @@ def fork_prefix(cache: DynamicCache, length: int) -> DynamicCache:
     return fork
 
 
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:
+    """A cache of `cache`'s batch rows `rows` [B'] alone (copies; `cache` is left as it is): each layer a shallow copy
+    holding those rows' keys and values, whose next update writes them into a new buffer (see AppendLayer)."""
+    kept = DynamicCache()
+    kept.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in kept.layers:
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+    return kept
+
+
 def check_cache(cache: DynamicCache, expected_length: int) -> None:
     """Refuse caches whose layers are not plain, full-length key/value tensors (e.g. a model that
     swapped in its own cache type): compaction could not keep the accepted path in them."""

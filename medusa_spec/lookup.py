@@ -135,6 +135,10 @@ class PromptLookup:
         for index, tokens in zip(self.rows, new_tokens):
             index.extend(tokens)
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """The rows `rows` alone go on (a batch whose other rows are done)."""
+        self.rows = [self.rows[r] for r in rows]
+
     def chains(self, device, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(chain_tokens [B, L], has_match [B]), L the longest chain of at most `length` (default chain_length)
         tokens any row found this step (0 when no row has a match: the step then verifies the heads' tree
@@ -279,6 +283,12 @@ class WithLookup(Proposer):
             self.length = next_chain_length(self.length, taken_whole, self.chain_length)
         self.lookup.extend(step.host.emitted)
         self.tokens_left = tokens_left_after(self.tokens_left, step.host)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.proposer.keep_rows(rows)
+        kept = rows.tolist()
+        self.lookup.keep_rows(kept)
+        self.tokens_left = [self.tokens_left[r] for r in kept]
 
     def finish(self, stats: GenerationStats) -> None:
         self.proposer.finish(stats)

@@ -157,14 +157,14 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             # 4. Accept: the longest path the base model agrees with, plus its own next token.
             last_node, accept_length, bonus = accept_candidates(candidates, logits, sampling)
             path, new_tokens = accepted_path(candidates, last_node, accept_length, bonus)
-            active = ~writer.finished
+            active = ~writer.decoded_finished
             accepted_at_depth[: tree.max_depth] += (
                 accept_length[:, None] > torch.arange(tree.max_depth, device=device)).masked_fill(
                 ~active[:, None], False).sum(0)
             count = writer.append(new_tokens, accept_length + 1)
             # The one host sync of the step.
             width = new_tokens.shape[1]
-            going = ~writer.finished
+            going = ~writer.decoded_finished
             synced = torch.cat([count, accept_length, active.long(), going.long(), new_tokens.flatten()]).tolist()
             counts, accept_lengths = synced[:batch], synced[batch: 2 * batch]
             going_rows = [bool(g) for g in synced[3 * batch: 4 * batch]]
@@ -179,10 +179,16 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
                                        new_tokens[:, :longest], active, going, host))
             lap("propose")  # the proposer's own bookkeeping (a state, a cache, an index) is drafting work
             # 5. Commit: keep each row's accepted path in the cache, then move the root forward. A finished row
-            # stays in the batch but stands still.
+            # stands still, and leaves the batch: a batch runs until its slowest row is done, and a finished row
+            # would cost every later pass its share (compiled graphs keep it: their cache's rows are fixed).
             commit(slots, path[:, :longest], accept_length, going)
             root = bonus
             stream(streamer, new_tokens, counts[0])
+            if not done and not all(going_rows) and compiled is None:
+                rows = torch.tensor([b for b, g in enumerate(going_rows) if g], device=device)
+                slots, root, batch = slots.select(rows), root[rows], len(rows)
+                proposer.keep_rows(rows)
+                writer.keep_rows(rows)
             lap("commit")
 
     if streamer is not None:

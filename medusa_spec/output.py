@@ -70,9 +70,24 @@ class SequenceWriter:
         self.n_generated = torch.zeros(batch, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         self.row_steps = torch.zeros(batch, dtype=torch.long, device=device)
+        self.rows: torch.Tensor | None = None  # the rows still decoded, once finished ones have left (None: all)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Decoding goes on with the rows `rows` [B'] (indices into those decoded so far) alone, the others finished:
+        append then takes theirs only."""
+        self.rows = rows if self.rows is None else self.rows[rows]
+
+    @property
+    def decoded_finished(self) -> torch.Tensor:
+        """[B']: whether each row still decoded is finished (rows finish in a step and leave the batch after it)."""
+        return self.finished if self.rows is None else self.finished[self.rows]
 
     def append(self, new_tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
-        """Append up to n_new [B] of new_tokens [B, M] per row; returns how many each row took [B]."""
+        """Append up to n_new [B'] of new_tokens [B', M] for each row still decoded; returns how many each took [B']."""
+        if self.rows is not None:  # at their rows of the whole batch; the rows that left are finished and take none
+            whole = len(self.finished)
+            new_tokens = new_tokens.new_zeros(whole, new_tokens.shape[1]).index_copy_(0, self.rows, new_tokens)
+            n_new = n_new.new_zeros(whole).index_copy_(0, self.rows, n_new)
         offsets = torch.arange(new_tokens.shape[1], device=new_tokens.device)
         is_eos = torch.isin(new_tokens, self.eos) & (offsets < n_new[:, None])
         until_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, n_new)
@@ -84,7 +99,7 @@ class SequenceWriter:
         self.finished = (self.finished | (is_eos & (offsets < count[:, None])).any(-1)
                          | (self.n_generated + count >= self.max_new_tokens))
         self.n_generated = self.n_generated + count
-        return count
+        return count if self.rows is None else count[self.rows]
 
     def output(self, stats: GenerationStats) -> GenerateOutput:
         stats.new_tokens = self.n_generated.tolist()

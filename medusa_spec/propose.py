@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .columnwise import PackedWeights, columnwise_copy
+from .context import ContextCache
 from .eagle import DRAFT_LAYER_SPEC
 from .kv_cache import fork_prefix, new_cache
 from .output import GenerationStats
@@ -125,6 +126,11 @@ class Proposer:
     def update(self, step: StepResult) -> None:
         """After each verify pass."""
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """After a step in which rows of the batch finished: decoding goes on with the rows `rows` [B'] (indices into
+        the batch of that step) alone, so the proposer keeps their state only."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drop a batch's finished rows")
+
     def finish(self, stats: GenerationStats) -> None:
         """Add the proposer's own figures to the GenerationStats."""
 
@@ -137,6 +143,9 @@ class RootOnly(Proposer):
 
     def propose(self, root: torch.Tensor) -> Candidates:
         return Candidates(root[:, None], self.tree)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        pass  # no state by row
 
 
 class HeadsProposer(Proposer):
@@ -189,6 +198,12 @@ class HeadsProposer(Proposer):
             self.context_cache, self.features(hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1]))),
             embed(step.candidates.node_tokens.gather(1, kept)), embed(step.new_tokens),
             offsets < (step.accept_length + 1)[:, None], step.accept_length)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.state = self.state[rows]
+        if self.context is not None:
+            cache = self.context_cache
+            self.context_cache = ContextCache(cache.keys[rows], cache.values[rows], cache.valid[rows])
 
 
 class DraftLayerProposer(Proposer):
@@ -267,6 +282,9 @@ class DraftLayerProposer(Proposer):
         slots.commit(offsets.expand(kept.shape[0], -1), n_kept, n_kept)
         self.slots = slots
         self.root_output = outputs.gather(1, step.accept_length[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.slots, self.root_output = self.slots.select(rows), self.root_output[rows]
 
 
 # A DynamicTree with step costs weighs each candidate by its path probability times (tokens its tree's nodes matched +
@@ -412,6 +430,10 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             self.foretold += self.foretold_now
         self.going = step.going.to(self.going.dtype)
         self.rows_going = sum(step.host.going)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        super().keep_rows(rows)
+        self.going = self.going[rows]
 
     def finish(self, stats: GenerationStats) -> None:
         stats.tree_sizes = self.sizes

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .base import BaseSpec, cache_argument, model_device_dtype
-from .kv_cache import check_cache, keep_accepted
+from .kv_cache import check_cache, keep_accepted, select_rows
 from .verify import attention_masks, base_features, forward_block
 
 
@@ -86,6 +86,11 @@ class Slots:
         self.pos = torch.cat([self.pos[:, : self.past], self.pos[:, block].gather(1, keep)], dim=1)
         self.past += keep.shape[1]
         self.next_pos = self.next_pos + advance
+
+    def select(self, rows: torch.Tensor) -> Slots:
+        """The slots of the batch rows `rows` [B'] alone, as a new Slots (a batch whose other rows are done)."""
+        return Slots(select_rows(self.cache, rows), self.valid[rows], self.pos[rows], self.next_pos[rows],
+                     self.max_position, self.past)
 
 
 def prefill(model: nn.Module, spec: BaseSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor,

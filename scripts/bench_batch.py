@@ -6,7 +6,8 @@
 Batch B is the first B prompts of `--prompts` (default: MT-bench first turns, one per category), left-padded. For each
 batch size and each of `tree=None` (the library's default) and `tree=[]`, in this one run:
 - first call: a MedusaModel fresh from the heads folder, its first generate() at that batch size (tree=None's step
-  costs are timed inside it, once per MedusaModel; both pack the base model's weights in it);
+  costs are timed inside it, with MEDUSA_SPEC_STEP_COSTS=0; both pack the base model's weights in it);
+- first call, costs on disk: the same, in a process after the one that timed them (cost_cache: read, not timed);
 - new batch size: a MedusaModel that has run one call at batch 1, its first call at that batch size (issue 57: tree=None
   must not time anything again here);
 - warm: `--rounds` calls each, alternating with transformers' greedy `generate` on the same batch.
@@ -19,7 +20,9 @@ measurements.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,6 +32,21 @@ from medusa_spec import MedusaModel, default_model
 from medusa_spec.bench import MT_BENCH, read_eval_prompts
 
 METHODS = {"tree=None": None, "tree=[]": []}
+KINDS = ("warm", "new batch size", "first call", "first call, costs on disk")
+
+
+@contextmanager
+def costs_on_disk(on: bool):
+    """Step costs read from and kept on disk (cost_cache) or timed in this process alone, for the block."""
+    before = os.environ.get("MEDUSA_SPEC_STEP_COSTS")
+    os.environ["MEDUSA_SPEC_STEP_COSTS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MEDUSA_SPEC_STEP_COSTS"]
+        else:
+            os.environ["MEDUSA_SPEC_STEP_COSTS"] = before
 
 
 def main() -> None:
@@ -66,17 +84,23 @@ def main() -> None:
     warmed_at_one = {}
     for name, tree in METHODS.items():  # the MedusaModels of 'new batch size': one call at batch 1 first
         warmed_at_one[name] = MedusaModel.from_pretrained(model, heads)
-        run(warmed_at_one[name], encode(1), tree)
+        with costs_on_disk(True):  # they time the step costs, or read them, and keep them on disk
+            run(warmed_at_one[name], encode(1), tree)
     for rows in args.batches:
         batch = encode(rows)
-        seconds = {(kind, name): 0.0 for kind in ("first call", "new batch size", "warm") for name in METHODS}
+        seconds = {(kind, name): 0.0 for kind in KINDS for name in METHODS}
         new = dict.fromkeys(seconds, 0)
         identical, checked, sizes = dict.fromkeys(METHODS, 0), 0, []
         reference_seconds = 0.0
         warm = {name: MedusaModel.from_pretrained(model, heads) for name in METHODS}
         for name, tree in METHODS.items():
-            seconds["first call", name], out = run(warm[name], batch, tree)  # fresh: this is its first call
+            with costs_on_disk(False):
+                seconds["first call", name], out = run(warm[name], batch, tree)  # fresh: this is its first call
             new["first call", name] = sum(out.stats.new_tokens)
+            with costs_on_disk(True):
+                seconds["first call, costs on disk", name], out = run(MedusaModel.from_pretrained(model, heads),
+                                                                      batch, tree)
+            new["first call, costs on disk", name] = sum(out.stats.new_tokens)
             seconds["new batch size", name], out = run(warmed_at_one[name], batch, tree)
             new["new batch size", name] = sum(out.stats.new_tokens)
         for _ in range(args.rounds):
@@ -97,11 +121,11 @@ def main() -> None:
         reference_rate = new["warm", "tree=[]"] / reference_seconds
         print(f"batch {rows}: transformers {reference_rate:.1f} tok/s; "
               + ", ".join(f"{name} {identical[name]}/{checked} rows identical" for name in METHODS))
-        for kind in ("warm", "new batch size", "first call"):
+        for kind in KINDS:
             if kind == "new batch size" and rows == 1:
                 continue  # the batch-1 call before was its first: these calls are warm ones
             rates = {name: new[kind, name] / seconds[kind, name] for name in METHODS}
-            print(f"  {kind:>15}: " + "  ".join(f"{name} {rate:7.1f} tok/s" for name, rate in rates.items())
+            print(f"  {kind:>25}: " + "  ".join(f"{name} {rate:7.1f} tok/s" for name, rate in rates.items())
                   + f"  tree=None / tree=[] {rates['tree=None'] / rates['tree=[]']:.2f}x")
         print(f"  tree=None's tree sizes (steps, warm): {dict(sorted((n, sizes.count(n)) for n in set(sizes)))}")
 

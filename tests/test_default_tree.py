@@ -218,6 +218,9 @@ class Guesses(propose.Proposer):
         node_tokens[:, 0] = root
         return propose.Candidates(node_tokens, tree)
 
+    def keep_rows(self, rows):
+        self.guess = self.guess[rows]
+
 
 def test_a_batch_adapts_to_the_row_the_heads_serve_worst():
     """A batch runs until its last row is done: with one row always guessed right and one never, the tree follows
@@ -269,3 +272,24 @@ def test_the_first_calls_timing_neither_draws_from_nor_rewinds_the_global_genera
     for _ in draws:  # the other thread's draws alone
         torch.rand(3)
     assert draws and torch.equal(after, torch.get_rng_state())
+
+
+def test_when_rows_leave_the_batch_the_tree_is_chosen_from_the_smaller_batchs_table():
+    """Two rows share a small tree (their passes cost more per node); once one finishes and leaves the batch
+    (keep_rows), the other's tree is chosen at once from the one-row table, for the evidence of that row alone."""
+    one_row = autotree.choose_tree(ACCURACY, {1: 0.01, 2: 0.01, 4: 0.01}, 0.0)[1]
+    two_rows = autotree.choose_tree(ACCURACY, {1: 0.01, 2: 0.012, 4: 0.03}, 0.0)[1]
+    adaptive = autotree.AdaptiveTree(Guesses(torch.tensor([7, 7])), two_rows, ACCURACY, {1: one_row})
+    root = torch.tensor([1, 1])
+    adaptive.start(propose.Prompt(root[:, None], torch.ones(2, 1, dtype=torch.bool), None, root, None))
+    for _ in range(3):
+        adaptive.propose(root)
+        new_tokens, going = torch.tensor([[7], [7]]), torch.tensor([True, True])  # both rows' heads right
+        host = propose.HostStep([0, 0], [True, True], [[7], [7]], [True, True])
+        adaptive.update(propose.StepResult(None, None, None, None, None, new_tokens, going, going, host))
+    assert adaptive.sizes == [2, 2, 2]
+    adaptive.keep_rows(torch.tensor([1]))
+    adaptive.propose(root[1:])
+    row_alone = autotree.calibrated_accuracy(ACCURACY, hits=3, seen=3)
+    assert adaptive.sizes[-1] == autotree.best_tree(one_row, row_alone)["nodes"] == 4
+    assert autotree.best_tree(two_rows, row_alone)["nodes"] == 2  # what the two rows' table would have kept
