@@ -366,12 +366,19 @@ class StepCosts:
         chooses among the sizes the probe timed."""
         if batch in self.verify:
             return dict(self.verify[batch]), dict(self.draft[batch])
+        if self.probe_rows not in self.verify:
+            raise ValueError(f"step costs timed for {sorted(self.verify)} rows cannot price {batch}: time the probe's "
+                             f"{self.probe_rows} rows too (TreeChoice.step_costs(mm, batch={batch}))")
 
         def model(costs: dict[int, dict[int, float]]) -> dict[int, float]:
             one, probe = costs[1], costs[self.probe_rows]
             return {n: one[n] + (batch - 1) * max(0.0, probe[n] - one[n]) / (self.probe_rows - 1) for n in probe}
 
         return model(self.verify), model(self.draft)
+
+    def merged(self, other: StepCosts) -> StepCosts:
+        """These costs and `other`'s rows beside them."""
+        return StepCosts({**other.verify, **self.verify}, {**other.draft, **self.draft}, self.probe_rows)
 
     def to_dict(self) -> dict:
         """As JSON keeps it (cost_cache): rows and nodes become strings."""
@@ -385,33 +392,30 @@ class StepCosts:
                           for k in ("verify", "draft")), int(kept["probe_rows"]))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
-        complete = {1, costs.probe_rows} <= set(costs.verify) and set(costs.verify) == set(costs.draft)
+        complete = 1 in costs.verify and set(costs.verify) == set(costs.draft)
         return costs if complete and all(costs.verify[r] and set(costs.verify[r]) == set(costs.draft[r])
                                          for r in costs.verify) else None
 
 
-def measure_costs(mm, packs: PackedWeights | None = None, dynamic: bool = False, sizes=AUTO_SIZES,
-                  context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS,
+def measure_costs(mm, packs: PackedWeights | None = None, dynamic: bool = False, rows=(1, PROBE_ROWS),
+                  sizes=AUTO_SIZES, context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS,
                   verify_costs: StepCosts | None = None) -> StepCosts:
-    """StepCosts of `mm`'s heads on this machine (measure_step_costs for one row and for PROBE_ROWS rows): static
-    trees grown from the heads' rank accuracies, or with `dynamic` eagle heads' DynamicTree (dynamic_sizes).
-    `verify_costs`: StepCosts whose verify passes these trees' would repeat (a pass of n nodes costs what it costs
-    whatever drafted them): the sizes its probe timed and their verify seconds are taken, and only the drafting is
-    timed (the sizes a batch chooses from: see StepCosts.at)."""
-    if verify_costs is None:
-        one_row = dynamic_sizes(mm, sizes) if dynamic else list(sizes)
-        probed = [n for n in one_row if n * PROBE_ROWS <= max(sizes)] or [1]
-    else:
-        one_row = probed = sorted(verify_costs.verify[verify_costs.probe_rows])
-    measured = {}
-    for rows, timed in ((1, one_row), (PROBE_ROWS, probed)):
-        measured[rows] = measure_step_costs(mm, sizes=timed, context=context, repeats=repeats,
-                                            rank_accuracy=None if dynamic else rank_accuracy(mm.config),
-                                            batch=rows, packs=packs, dynamic=dynamic,
-                                            time_verify=verify_costs is None)
-    verify = {rows: {n: verify_costs.verify[rows][n] for n in timed} for rows, timed in
-              ((1, one_row), (PROBE_ROWS, probed))} if verify_costs else {rows: c[0] for rows, c in measured.items()}
-    return StepCosts(verify, {rows: costs[1] for rows, costs in measured.items()}, PROBE_ROWS)
+    """StepCosts of `mm`'s heads on this machine for `rows` (one row, PROBE_ROWS rows or both: measure_step_costs):
+    static trees grown from the heads' rank accuracies, or with `dynamic` eagle heads' DynamicTree (dynamic_sizes);
+    PROBE_ROWS rows time the sizes whose PROBE_ROWS x nodes rows stay within max(sizes).
+    `verify_costs`: StepCosts (of these rows) whose verify passes these trees' would repeat (a pass of n nodes costs
+    what it costs whatever drafted them): the sizes a batch chooses from (see StepCosts.at) and their verify seconds
+    are taken from it, and only the drafting is timed."""
+    one_row = sorted(verify_costs.verify[1]) if verify_costs else dynamic_sizes(mm, sizes) if dynamic else list(sizes)
+    probed = [n for n in one_row if n * PROBE_ROWS <= max(sizes)] or [1]
+    timed = {1: probed if verify_costs else one_row, PROBE_ROWS: probed}
+    verify, draft = {}, {}
+    for r in rows:
+        latency, draft[r] = measure_step_costs(mm, sizes=timed[r], context=context, repeats=repeats,
+                                               rank_accuracy=None if dynamic else rank_accuracy(mm.config), batch=r,
+                                               packs=packs, dynamic=dynamic, time_verify=verify_costs is None)
+        verify[r] = {n: verify_costs.verify[r][n] for n in timed[r]} if verify_costs else latency
+    return StepCosts(verify, draft, PROBE_ROWS)
 
 
 def rank_accuracy(config) -> list[list[float]] | None:
@@ -442,31 +446,37 @@ class TreeChoice:
         self.costs: dict[tuple[torch.device, torch.dtype, bool], StepCosts] = {}
         self.compiled_trees: dict[tuple[torch.device, torch.dtype, int], DynamicTree] = {}
 
-    def step_costs(self, mm, dynamic: bool = False) -> StepCosts:
-        """Eagle heads' static trees (their batches' trees) take the verify passes timed for their dynamic ones and
-        time only their own drafting: a batch size met first after a one-row call then pays a fraction of a second
-        for it, not the seconds of timing every verify pass again."""
+    def step_costs(self, mm, dynamic: bool = False, batch: int = 1) -> StepCosts:
+        """The step costs that price `batch` rows (StepCosts.at): one row's for one row, the probe's rows too
+        for a batch, each timed when first needed (a one-row call does not pay the probe's seconds). Eagle heads'
+        static trees (their batches' trees) take the verify passes timed for their dynamic ones and time only their
+        own drafting: a batch size met first after a one-row call then pays a fraction of a second for it, not the
+        seconds of timing every verify pass again."""
         device, dtype = model_device_dtype(mm.base_model)
-        if (device, dtype, dynamic) not in self.costs:
-            # Timed by an earlier process on this machine (cost_cache), else now, on tokens of their own generator.
+        key, needed = (device, dtype, dynamic), ({1} if batch == 1 else {1, PROBE_ROWS})
+        costs = self.costs.get(key)
+        if costs is None or not needed <= set(costs.verify):
             path = cost_cache.costs_file(mm, dynamic)
-            costs = StepCosts.from_dict(cost_cache.read(path) or {})
-            if costs is None:
+            if costs is None:  # timed by an earlier process on this machine?
+                costs = StepCosts.from_dict(cost_cache.read(path) or {})
+            missing = sorted(needed - set(costs.verify if costs else ()))
+            if missing:  # timed now, on tokens of their own generator
                 eagle = getattr(mm.heads, "draft_layer", None) is not None
-                verify_costs = self.step_costs(mm, dynamic=True) if eagle and not dynamic else None
-                costs = measure_costs(mm, self.packs, dynamic, verify_costs=verify_costs)
+                verify_costs = self.step_costs(mm, dynamic=True, batch=batch) if eagle and not dynamic else None
+                timed = measure_costs(mm, self.packs, dynamic, rows=missing, verify_costs=verify_costs)
+                costs = timed if costs is None else costs.merged(timed)
                 cost_cache.write(path, costs.to_dict())
-            self.costs[device, dtype, dynamic] = costs
-        return self.costs[device, dtype, dynamic]
+            self.costs[key] = costs
+        return costs
 
     def table(self, mm, batch: int = 1) -> list[dict]:
         """choose_tree's table for `batch` rows: a row per tree size (rank paths, verify and drafting ms, expected
         figures), from the heads' rank accuracies and the step costs modelled for that batch."""
-        return choose_tree(required_rank_accuracy(mm.config), *self.step_costs(mm).at(batch))[1]
+        return choose_tree(required_rank_accuracy(mm.config), *self.step_costs(mm, batch=batch).at(batch))[1]
 
     def dynamic_tree(self, mm, batch: int = 1) -> DynamicTree:
         """Eagle heads' DynamicTree priced for `batch` rows (priced_dynamic_tree)."""
-        return priced_dynamic_tree(mm, *self.step_costs(mm, dynamic=True).at(batch))
+        return priced_dynamic_tree(mm, *self.step_costs(mm, dynamic=True, batch=batch).at(batch))
 
     def choices(self, mm, batch: int = 1) -> list[list[int]]:
         """The rank paths tree=None starts from for `batch` rows: with rank accuracies the best of table(batch)
@@ -498,13 +508,13 @@ class TreeChoice:
             if tree is None and compiled is not None:
                 key = (*model_device_dtype(mm.base_model), batch)
                 if key not in self.compiled_trees:
-                    draft = self.step_costs(mm, dynamic=True).at(batch)[1]
+                    draft = self.step_costs(mm, dynamic=True, batch=batch).at(batch)[1]
                     self.compiled_trees[key] = compiled_dynamic_tree(mm, compiled, draft)
                 tree = self.compiled_trees[key]
             return heads_proposer(mm.base_model, mm.heads, self.dynamic_tree(mm, batch) if tree is None else tree,
                                   packs)
         if tree is None and accuracy:
-            costs = self.step_costs(mm)
+            costs = self.step_costs(mm, batch=batch)
             chosen, table = choose_tree(accuracy, *costs.at(batch))
             if not chosen:
                 return RootOnly()

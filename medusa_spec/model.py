@@ -134,10 +134,10 @@ class MedusaModel(nn.Module):
 
     def tree_table(self, batch: int = 1) -> list[dict]:
         """The trees `tree=None` chooses from, for a batch of `batch` rows: a row per tree size (rank paths, verify
-        and drafting milliseconds, expected figures). The step costs are timed at the first call, for one row and
-        for autotree.PROBE_ROWS rows, and kept on this MedusaModel for the base model's device and dtype, and on disk
-        for later processes on this machine (cost_cache; MEDUSA_SPEC_STEP_COSTS=0 turns that off); any batch
-        size is modelled from them (autotree.StepCosts.at: a batch verifies batch x
+        and drafting milliseconds, expected figures). The step costs are timed for one row at the first call, for
+        autotree.PROBE_ROWS rows at the first call with a batch, and kept on this MedusaModel for the base model's
+        device and dtype, and on disk for later processes on this machine (cost_cache; MEDUSA_SPEC_STEP_COSTS=0
+        turns that off); any batch size is modelled from them (autotree.StepCosts.at: a batch verifies batch x
         nodes rows, so on a CPU it can afford fewer nodes) without timing anything more."""
         return self._trees.table(self, batch)
 

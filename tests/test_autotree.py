@@ -141,8 +141,9 @@ def test_timing_runs_the_decoding_loops_own_stages(monkeypatch):
 
 
 def test_a_new_batch_size_times_nothing(monkeypatch):
-    """The step costs are timed once, at the first call (for one row and for PROBE_ROWS rows); a call at any other
-    batch size after it runs only its own decoding steps: no timing pass, its tree modelled from those costs."""
+    """The step costs are timed once: for one row at the first call, for PROBE_ROWS rows at the first call with a
+    batch; a call at any other batch size after it runs only its own decoding steps: no timing pass, its tree
+    modelled from those costs."""
     mm = with_accuracies()
     measured = counting(monkeypatch, autotree, "measure_step_costs")
     verified = counting(monkeypatch, loop, "verify")
@@ -150,8 +151,10 @@ def test_a_new_batch_size_times_nothing(monkeypatch):
     with torch.no_grad():
         reference = mm.base_model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     mm.generate(ids[:1], max_new_tokens=6, eos_token_id=[])
+    assert [kwargs["batch"] for _, kwargs in measured] == [1]  # the probe's rows wait for a batch
+    assert torch.equal(mm.generate(ids[:2], max_new_tokens=6, eos_token_id=[]).sequences, reference[:2])
     assert [kwargs["batch"] for _, kwargs in measured] == [1, autotree.PROBE_ROWS]
-    for rows in (2, 3, 8, 5):
+    for rows in (3, 8, 5, 2):
         verified.clear()
         out = mm.generate(ids[:rows], max_new_tokens=6, eos_token_id=[])
         assert len(verified) == out.stats.steps - 1, rows  # the decoding steps alone

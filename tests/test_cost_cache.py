@@ -4,6 +4,7 @@ only warns; MEDUSA_SPEC_STEP_COSTS=0 (the suite's setting, conftest) writes noth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -42,13 +43,15 @@ def test_a_new_medusa_model_reads_the_costs_an_earlier_one_timed(cache):
     text = reference_generate(model, ids, max_new_tokens=12, eos_token_id=None)
     first = fresh(model)
     assert torch.equal(first.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences, text)
-    assert timed == [1, autotree.PROBE_ROWS] and len(list(folder.glob("*.json"))) == 1
-    timed.clear()
+    assert timed == [1] and len(list(folder.glob("*.json"))) == 1  # one row: the probe's rows wait for a batch
     second = fresh(model)
     assert torch.equal(second.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences, text)
-    assert timed == []  # read, not timed
-    assert second.dynamic_tree(1) == first.dynamic_tree(1) and second.dynamic_tree(3) == first.dynamic_tree(3)
-    assert list(folder.glob("*.tmp")) == []
+    assert timed == [1]  # read, not timed
+    batch = second.dynamic_tree(3)
+    assert timed == [1, autotree.PROBE_ROWS]  # the probe's rows, timed once and kept beside the one row's
+    third = fresh(model)
+    assert third.dynamic_tree(3) == batch and third.dynamic_tree(1) == first.dynamic_tree(1)
+    assert timed == [1, autotree.PROBE_ROWS] and list(folder.glob("*.tmp")) == []
 
 
 def test_other_heads_another_dtype_or_another_model_time_their_own(cache):
@@ -58,9 +61,9 @@ def test_other_heads_another_dtype_or_another_model_time_their_own(cache):
     fresh(model, metrics={"eval": {"rank_accuracy": [[0.6, 0.2, 0.1, 0.05]] * 3}}).dynamic_tree(1)
     fresh(model.to(torch.bfloat16)).dynamic_tree(1)
     fresh(tiny_model("qwen2")).dynamic_tree(1)
-    assert timed == [1, autotree.PROBE_ROWS] * 4 and len(list(folder.glob("*.json"))) == 4
+    assert timed == [1] * 4 and len(list(folder.glob("*.json"))) == 4
     fresh(tiny_model("qwen2")).dynamic_tree(1)
-    assert len(timed) == 8
+    assert len(timed) == 4
 
 
 def test_a_file_that_does_not_hold_costs_is_timed_again_and_replaced(cache):
@@ -72,7 +75,7 @@ def test_a_file_that_does_not_hold_costs_is_timed_again_and_replaced(cache):
         kept.write_text(bad)
         timed.clear()
         tree = fresh(model).dynamic_tree(1)
-        assert timed == [1, autotree.PROBE_ROWS] and tree.nodes == expected.nodes
+        assert timed == [1] and tree.nodes == expected.nodes
         assert autotree.StepCosts.from_dict(json.loads(kept.read_text())) is not None
 
 
@@ -86,7 +89,7 @@ def test_an_unwritable_cache_only_warns(cache, monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="could not keep the step costs .* MEDUSA_SPEC_STEP_COSTS=0"):
         out = fresh(model).generate(ids, max_new_tokens=8, eos_token_id=[])
     assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=8, eos_token_id=None))
-    assert timed == [1, autotree.PROBE_ROWS]
+    assert timed == [1]
 
 
 def test_turned_off_nothing_is_read_or_written(cache, monkeypatch):
@@ -96,7 +99,7 @@ def test_turned_off_nothing_is_read_or_written(cache, monkeypatch):
     monkeypatch.setenv("MEDUSA_SPEC_STEP_COSTS", "0")
     assert cost_cache.costs_file(fresh(model), dynamic=True) is None
     fresh(model).dynamic_tree(1)
-    assert timed == [1, autotree.PROBE_ROWS] * 2 and len(list(folder.glob("*.json"))) == 1
+    assert timed == [1, 1] and len(list(folder.glob("*.json"))) == 1
 
 
 def test_step_costs_survive_json():
@@ -104,3 +107,8 @@ def test_step_costs_survive_json():
                                                                                      4: {1: 0.001}}, probe_rows=4)
     assert autotree.StepCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
     assert autotree.StepCosts.from_dict({"verify": costs.verify}) is None
+    one_row = autotree.StepCosts.from_dict(json.loads(json.dumps(dataclasses.replace(
+        costs, verify={1: costs.verify[1]}, draft={1: costs.draft[1]}).to_dict())))
+    assert one_row.merged(costs) == costs and one_row.at(1) == costs.at(1)
+    with pytest.raises(ValueError, match="cannot price 3: time the probe's 4 rows too"):
+        one_row.at(3)

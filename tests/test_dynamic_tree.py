@@ -251,8 +251,9 @@ def test_a_dynamic_tree_needs_eagle_heads_and_sound_settings():
 def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
     """dynamic_tree times dynamic steps at 1, 2, 4, ... nodes up to as many as the beam drafts (3 heads, top-4,
     beam 4: 4 + 2 x 16 candidates), takes for each size the least time of it or any larger one (a smaller tree never
-    costs more; a larger timing below it was a busy moment), interpolates between them; the probe's rows time the
-    sizes up to 64 / PROBE_ROWS nodes once, and another batch size is priced from both without timing."""
+    costs more; a larger timing below it was a busy moment), interpolates between them; at the first batch the
+    probe's rows time the sizes up to 64 / PROBE_ROWS nodes once, and another batch size is priced from both without
+    timing."""
     mm = eagle_heads(tiny_model("llama"), num_heads=3)
     calls = []
     seconds = {1: 0.040, 2: 0.050, 4: 0.030, 8: 0.050, 16: 0.060, 32: 0.080, 37: 0.090}
@@ -263,14 +264,15 @@ def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
 
     monkeypatch.setattr(autotree, "measure_step_costs", measure)
     tree = mm.dynamic_tree(1)
-    assert calls == [((1, 2, 4, 8, 16, 32, 37), 1, True), ((1, 2, 4, 8, 16), autotree.PROBE_ROWS, True)]
+    assert calls == [((1, 2, 4, 8, 16, 32, 37), 1, True)]
     assert tree.nodes == 37 and len(tree.step_ms) == 37
     assert [round(tree.step_ms[n - 1], 6) for n in (1, 2, 3, 4, 6, 8, 16, 24, 37)] == \
         [35.0, 35.0, 35.0, 35.0, 45.0, 55.0, 65.0, 75.0, 95.0]
-    assert mm.dynamic_tree(1) == tree and len(calls) == 2
+    assert mm.dynamic_tree(1) == tree and len(calls) == 1
     # Two rows: each row past the first adds a third of what the probe's 3 added, up to the probe's 16 nodes.
     two = mm.dynamic_tree(2)
-    assert len(calls) == 2 and two.nodes == 16
+    assert calls[1:] == [((1, 2, 4, 8, 16), autotree.PROBE_ROWS, True)] and two.nodes == 16
+    assert mm.dynamic_tree(3) and len(calls) == 2
     assert [round(two.step_ms[n - 1], 6) for n in (1, 4, 8, 16)] == \
         [round(1000 * (4 / 3 * seconds[4] + 0.005), 6)] * 2 + [round(1000 * (4 / 3 * s + 0.005), 6)
                                                               for s in (seconds[8], seconds[16])]
@@ -278,7 +280,8 @@ def test_tree_none_prices_every_size_from_timed_dynamic_steps(monkeypatch):
 
 def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypatch):
     """A batch's static trees verify as the dynamic trees do: after a one-row call (whose dynamic trees timed the
-    verify passes), a batch times its trees' drafting alone and prices them with the dynamic trees' verify passes;
+    verify passes; the probe's rows at the first batch), a batch times its trees' drafting alone and prices them with
+    the dynamic trees' verify passes;
     another batch size times nothing; every row's text is transformers'."""
     model = tiny_model("llama")
     mm = eagle_heads(model, num_heads=3, metrics={"eval": {"rank_accuracy": [[0.6, 0.2, 0.1, 0.05]] * 3}})
@@ -298,13 +301,14 @@ def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypa
     texts = [reference_generate(model, row[None], max_new_tokens=16, eos_token_id=None)[0] for row in rows]
     assert torch.equal(mm.generate(rows[0][None], max_new_tokens=16, eos_token_id=[]).sequences[0], texts[0])
     probe = autotree.PROBE_ROWS
-    assert calls == [(1, True, True), (probe, True, True)]
+    assert calls == [(1, True, True)]  # the probe's rows wait for a batch
     for batch in (2, 3):
         ids, mask = left_padded(rows[:batch])
         out = mm.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
         for b, row in enumerate(rows[:batch]):
             assert torch.equal(out.sequences[b, ids.shape[1]:], texts[b][len(row):]), (batch, b)
-        assert calls[2:] == [(1, False, False), (probe, False, False)]  # the drafting, once, at the first batch
+        # Once, at the first batch: the probe's verify passes (dynamic trees), then the static trees' drafting alone.
+        assert calls[1:] == [(probe, True, True), (1, False, False), (probe, False, False)]
     static, dynamic = (mm._trees.costs[torch.device("cpu"), torch.float32, kind] for kind in (False, True))
     # The sizes a batch chooses from (those the probe timed), at the dynamic trees' verify seconds.
     sizes = set(dynamic.verify[probe])
