@@ -16,7 +16,7 @@ import torch
 from . import cost_cache, loop
 from .base import model_device_dtype
 from .columnwise import PackedWeights, columnwise_copy
-from .compiled import CompiledSteps, block_size
+from .compiled import CompiledSteps, DraftGraphs, adopt, block_size
 from .kv_cache import new_cache
 from .output import GenerationStats
 from .propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult, heads_proposer
@@ -69,7 +69,8 @@ def _fastest_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
 @torch.inference_mode()
 def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: int = 5,
                        rank_accuracy=None, batch: int = 1, packs: PackedWeights | None = None,
-                       dynamic: bool = False, time_verify: bool = True) -> tuple[dict[int, float], dict[int, float]]:
+                       dynamic: bool = False, time_verify: bool = True,
+                       graphs: DraftGraphs | None = None) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one verify pass of n nodes after `context` cached tokens, and of one step of drafting n nodes,
     for each n in sizes, `batch` rows at once (a batch verifies batch x n rows): through the decoding loop's own
     stages, the heads' proposer taking a step's result (with a context layer, its step over the slots the step kept)
@@ -80,7 +81,8 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
     `packs`: the base model's packed weights, as generate passes them to the loop (see columnwise.PackedWeights).
     `dynamic`: eagle heads on a DynamicTree of n nodes instead (every step drafts the whole beam, whatever n).
     `time_verify=False`: the drafting alone, and no verify seconds ({}): the base model runs no pass, neither the
-    prompt's (its states are random ones of their shape) nor a verify pass (a step's states are the prompt's last)."""
+    prompt's (its states are random ones of their shape) nor a verify pass (a step's states are the prompt's last).
+    `graphs`: eagle heads drafting through compiled graphs (compiled.DraftGraphs), as generate(compile=True) drafts."""
     spec, layers = mm.spec, getattr(mm.heads, "feature_layers", ())
     device, dtype = model_device_dtype(mm.base_model)
     # Any tokens and states: only the costs count. A generator of its own: the process-wide one, which other threads
@@ -115,7 +117,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         trees = {tree.num_nodes: tree for tree in (build_tree(grow_tree(accuracy, n)).to(device) for n in sizes)}
     proposers, steps = {}, {}
     for n, tree in trees.items():
-        proposers[n] = heads_proposer(base, mm.heads, tree, packs)
+        proposers[n] = heads_proposer(base, mm.heads, tree, packs, graphs)
         proposers[n].start(prompt)
         candidates = proposers[n].propose(root)
         steps[n] = deepest_step(candidates, verify(candidates), root)  # also the verify pass's warm-up
@@ -144,7 +146,7 @@ def measure_compiled_verify(mm, compiled: CompiledSteps, sizes: tuple[int, ...],
     ids = torch.randint(0, spec.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
     valid = torch.ones_like(ids, dtype=torch.bool)
     _, _, slots = prefill(columnwise_copy(base, eval_mode=True), spec, ids, valid, new_cache(), feature_layers=layers)
-    cache = compiled.adopt(slots.cache, context + max(sizes))
+    cache = adopt(slots.cache, context + max(sizes))
 
     def verify(n: int) -> None:
         q_pos = slots.next_pos[:, None] + torch.arange(n, device=device)
@@ -158,17 +160,20 @@ def measure_compiled_verify(mm, compiled: CompiledSteps, sizes: tuple[int, ...],
     return _fastest_seconds({n: partial(verify, n) for n in sizes}, repeats, device)
 
 
-def compiled_dynamic_tree(mm, compiled: CompiledSteps, draft_seconds: dict[int, float],
-                          nodes: int = COMPILED_TREE_NODES) -> DynamicTree:
+def compiled_dynamic_tree(mm, compiled: CompiledSteps, draft_seconds: dict[int, float] | None = None,
+                          nodes: int = COMPILED_TREE_NODES, packs: PackedWeights | None = None) -> DynamicTree:
     """generate(tree=None, compile=True)'s tree for eagle heads (one row): a DynamicTree of at most `nodes` nodes
     (a compiled block size), each size priced at its block's compiled verify pass (a 3-node tree costs what a
-    4-node one does: both run the 4-node graph) plus drafting (draft_seconds, timed eagerly, as the proposer runs).
-    Every size drafts the same levels (a step's size is chosen once its candidates are drafted), so drafting is one
-    figure for all: the least of those timed, as a busy moment only adds time (a 1-node timing once came out 10 ms
-    above the 2-node one, and 1 node was never chosen)."""
+    4-node one does: both run the 4-node graph) plus drafting. Every size drafts the same levels (a step's size is
+    chosen once its candidates are drafted), so drafting is one figure for all: the least of `draft_seconds`, as a
+    busy moment only adds time (a 1-node timing once came out 10 ms above the 2-node one, and 1 node was never
+    chosen); by default timed here, through the compiled draft graphs (prepared), as the proposer runs."""
     most = min(nodes, dynamic_sizes(mm)[-1])
     blocks = tuple(sorted({block_size(n) for n in range(1, most + 1)}))
     verify = measure_compiled_verify(mm, compiled, blocks)
+    if draft_seconds is None:
+        _, draft_seconds = measure_step_costs(mm, sizes=(most,), context=AUTO_CONTEXT, repeats=AUTO_REPEATS,
+                                              packs=packs, dynamic=True, time_verify=False, graphs=compiled.draft)
     draft = min(draft_seconds.values())
     step_ms = tuple(1000 * (verify[block_size(n)] + draft) for n in range(1, most + 1))
     return dataclasses.replace(default_dynamic_tree(mm), nodes=most, step_ms=step_ms)
@@ -495,11 +500,13 @@ class TreeChoice:
         no speculation at all (RootOnly, as tree=[]) where the step costs say no tree pays for this batch even at
         the held-out accuracies, which overrate the heads on most text; else the heads on choices(batch).
         A DynamicTree or rank paths are kept as given; [] is RootOnly. With `compiled` (generate(compile=True)),
-        eagle heads' tree for one row is priced by the compiled graphs instead (compiled_dynamic_tree, kept as the
-        costs are); every other choice is the eager one, its blocks padded to the compiled sizes."""
+        eagle heads draft through its draft graphs, and their tree for one row is priced by the compiled graphs
+        instead (compiled_dynamic_tree, kept as the costs are); every other choice is the eager one, its blocks padded
+        to the compiled sizes."""
         accuracy = rank_accuracy(mm.config)
         eagle = getattr(mm.heads, "draft_layer", None) is not None
         packs = self.packs
+        graphs = compiled.draft if compiled is not None and eagle else None
         if isinstance(tree, DynamicTree) or (tree is None and eagle and batch == 1):
             guesses = candidate_tokens(mm)
             if tree is not None and tree.top_k > guesses:  # else topk fails inside torch at the first step
@@ -508,11 +515,10 @@ class TreeChoice:
             if tree is None and compiled is not None:
                 key = (*model_device_dtype(mm.base_model), batch)
                 if key not in self.compiled_trees:
-                    draft = self.step_costs(mm, dynamic=True, batch=batch).at(batch)[1]
-                    self.compiled_trees[key] = compiled_dynamic_tree(mm, compiled, draft)
+                    self.compiled_trees[key] = compiled_dynamic_tree(mm, compiled, packs=packs)
                 tree = self.compiled_trees[key]
             return heads_proposer(mm.base_model, mm.heads, self.dynamic_tree(mm, batch) if tree is None else tree,
-                                  packs)
+                                  packs, graphs)
         if tree is None and accuracy:
             costs = self.step_costs(mm, batch=batch)
             chosen, table = choose_tree(accuracy, *costs.at(batch))
@@ -522,9 +528,9 @@ class TreeChoice:
             first = best_tree(table, accuracy)["tree"] or [[0]]
             # The tables of the batch once its finished rows have left it (loop.decode).
             fewer_rows = {rows: choose_tree(accuracy, *costs.at(rows))[1] for rows in range(1, batch)}
-            return AdaptiveTree(heads_proposer(mm.base_model, mm.heads, build_tree(first), packs), table, accuracy,
-                                fewer_rows)
-        return heads_proposer(mm.base_model, mm.heads, self.medusa_tree(mm, tree, batch), packs)
+            return AdaptiveTree(heads_proposer(mm.base_model, mm.heads, build_tree(first), packs, graphs), table,
+                                accuracy, fewer_rows)
+        return heads_proposer(mm.base_model, mm.heads, self.medusa_tree(mm, tree, batch), packs, graphs)
 
     def medusa_tree(self, mm, tree: list[list[int]] | None, batch: int = 1) -> MedusaTree:
         """The MedusaTree of `tree`'s rank paths, or for None those of choices(batch)."""

@@ -1,5 +1,5 @@
-"""The base model's verify pass compiled for static shapes: generate(compile=True), gpt-fast's recipe on
-transformers' own modeling code.
+"""The base model's verify pass, and eagle heads' draft-layer passes, compiled for static shapes:
+generate(compile=True), gpt-fast's recipe on transformers' own modeling code.
 
 Why: an eager pass dispatches the base model's thousands of small ops one by one from Python, and on a CPU torch's
 fp32 linear kernels stream the weights of a one-row step well below the machine's memory rate. torch.compile
@@ -19,6 +19,11 @@ compiled again.
 The prompt is prefilled eagerly (its length changes with every call) and its slots copied into the buffer. Compiled
 kernels sum in another order than eager ones, as any two kernels do: greedy decoding stays lossless against the
 model computed that way, and is tested equal to transformers' greedy output.
+
+Eagle heads' draft layer (DraftGraphs) runs the same way: its passes over a level's beam and over a step's accepted
+states (a few slots each) cost a few small products and dozens of small ops, so eagerly most of their time is
+dispatch; one graph per (rows, slots), on a buffer of its own, its prompt pass eager. Drafts are the same tokens
+up to the order of the sums, as the verify pass's logits are.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class CompiledSteps:
         self.shapes: set[tuple] = set()  # (rows, block) compiled so far
         self.options: dict = {}  # inductor's, for the model's device (compile_options)
         self.probes: dict[tuple, torch.Tensor] = {}
+        self.draft = DraftGraphs()  # eagle heads' draft layer, prepared with them
 
     def __getstate__(self) -> dict:
         return {}
@@ -140,14 +146,18 @@ class CompiledSteps:
         self.__init__()
 
     @torch.no_grad()
-    def prepare(self, base_model: nn.Module, spec: BaseSpec, feature_layers: tuple[int, ...]) -> None:
+    def prepare(self, base_model: nn.Module, spec: BaseSpec, feature_layers: tuple[int, ...],
+                heads: nn.Module | None = None, packs=None) -> None:
         """Ready the graphs for `base_model` as it is now, giving the final hidden state and `feature_layers`' states
         (the heads' feature layers: every proposer of theirs reads those or none): kept where the weights are the
         ones they froze (the same tensors holding the same values), else dropped and compiled again at their first
-        call."""
+        call. Heads with a draft layer (eagle, eagle3): its graphs too (self.draft), its linear layers computing from
+        `packs` (columnwise.PackedWeights) where given."""
+        if getattr(heads, "draft_layer", None) is not None:
+            self.draft.prepare(heads, packs)
         tensors = list(itertools.chain(base_model.parameters(), base_model.buffers()))
         source = (id(base_model), spec, feature_layers, tuple((id(t), tuple(t.shape), t.dtype) for t in tensors))
-        signature = self._signature(tensors)
+        signature = _signature(tensors, self.probes)
         if self.run is not None and source == self.source and torch.equal(signature, self.signature):
             return
         device = base_model.get_output_embeddings().weight.device
@@ -165,32 +175,6 @@ class CompiledSteps:
         self.run = torch.compile(_forward_of(self.model, spec, feature_layers), fullgraph=True, dynamic=False)
         self.options = compile_options(device, base_model.get_output_embeddings().weight.dtype)
 
-    def _signature(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Each tensor's product with a fixed random vector: any change of its values shows, also one made through
-        `.data` (peft's merge_adapter), which leaves the version counter as it was."""
-        sums = []
-        for tensor in tensors:
-            flat = tensor.detach().reshape(tensor.shape[0] if tensor.dim() else 1, -1)
-            key = (flat.shape[1], flat.dtype, flat.device)
-            if key not in self.probes:  # its own generator: the caller's random stream stays as it was
-                probe = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(flat.shape[1]))
-                self.probes[key] = probe.to(flat.device, flat.dtype if flat.is_floating_point() else torch.float32)
-            probe = self.probes[key]
-            sums.append(flat.to(probe.dtype) @ probe)
-        return torch.cat(sums).float()
-
-    def adopt(self, cache: Cache, slots: int) -> Cache:
-        """A static cache of room for `slots` slots and ROOM_AFTER more (rounded up to CACHE_SLOTS), holding
-        `cache`'s (a prefill's)."""
-        room = -(-(slots + ROOM_AFTER) // CACHE_SLOTS) * CACHE_SLOTS
-        static = Cache(layers=[BufferLayer(room) for _ in cache.layers])
-        for layer, source in zip(static.layers, cache.layers):
-            layer.lazy_initialization(source.keys, source.values)
-            length = source.keys.shape[-2]
-            layer.keys[..., :length, :] = source.keys
-            layer.values[..., :length, :] = source.values
-        return static
-
     def forward_block(self, spec: BaseSpec, input_ids: torch.Tensor, q_pos: torch.Tensor, block_mask: torch.Tensor,
                       cache: Cache, kv_valid: torch.Tensor, kv_pos: torch.Tensor,
                       feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,9 +184,6 @@ class CompiledSteps:
         rows, n = input_ids.shape
         size = block_size(n)
         past = kv_valid.shape[1] - n
-        if past + size > cache.layers[0].max_cache_len:
-            grown = self.adopt(_narrowed(cache, past), past + size)
-            cache.layers = grown.layers
         if size > n:  # padding nodes: valid nowhere, each seeing only itself (attention_masks adds the diagonal)
             pad = size - n
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, pad)], dim=1)
@@ -212,36 +193,127 @@ class CompiledSteps:
             kv_pos = torch.cat([kv_pos, kv_pos[:, -1:].expand(-1, pad)], dim=1)
         dtype = self.model.get_output_embeddings().weight.dtype
         mask = attention_masks(spec, kv_valid, kv_pos, q_pos, block_mask, dtype)
-        for layer in cache.layers:  # the slots attended to, and where StaticLayer.update writes the block's
-            layer.window(past + size)
-            layer.cumulative_length.fill_(past)
-        # Copies in every call's strides: a graph guards on them, also a size-1 dimension's, which .contiguous()
-        # keeps (a chain of one token expanded to n nodes arrives with stride 0).
-        input_ids, q_pos = (values.new_empty(values.shape).copy_(values) for values in (input_ids, q_pos))
-        shape = (rows, size)
-        if shape not in self.shapes:
-            print(f"medusa_spec: compiling the verify pass for {rows} row(s) x {size} nodes (once per process and "
-                  f"shape; minutes on a small CPU)", file=sys.stderr, flush=True)
-            start = time.perf_counter()
-            # One graph for any text length: the slots attended to are a dimension of their own.
-            for each in mask.values() if isinstance(mask, dict) else [mask]:  # [B, 1, N, L]
-                torch._dynamo.mark_dynamic(each, 3)
-            for layer in cache.layers:  # [B, heads, L, head_dim]
-                torch._dynamo.mark_dynamic(layer.keys, 2)
-                torch._dynamo.mark_dynamic(layer.values, 2)
-        # inductor's options as a patch around the call (a graph compiles at its shape's first call): torch.compile's
-        # options= did not reach freezing, and setting them process-wide would change the caller's compiles too.
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT), \
-                torch._inductor.config.patch(self.options):
-            logits, hidden = self.run(input_ids, q_pos, mask, cache)
-        if shape not in self.shapes:
-            self.shapes.add(shape)
-            print(f"medusa_spec: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        logits, hidden = _run_on_buffer(self.run, self.options, self.shapes, "the verify pass", cache, past, mask,
+                                        input_ids, q_pos)
         if feature_layers != self.feature_layers:  # the final state, then the layers asked for, of those given
             width = hidden.shape[-1] // (1 + len(self.feature_layers))
             chunks = hidden.split(width, dim=-1)
             hidden = torch.cat([chunks[0], *(chunks[1 + self.feature_layers.index(i)] for i in feature_layers)], -1)
         return logits[:, :n], hidden[:, :n]
+
+
+class DraftGraphs:
+    """Eagle heads' draft-layer passes (propose.DraftLayerProposer) through compiled graphs: the draft layer's
+    column-wise copy (as the eager proposer runs it), its weights frozen into a graph per (rows, slots) on a static
+    cache from adopt. Kept on the MedusaModel's CompiledSteps; compiled again after the heads' weights change."""
+
+    def __init__(self):
+        self.layer: nn.Module | None = None
+        self.source: tuple | None = None
+        self.signature: torch.Tensor | None = None
+        self.run = None
+        self.shapes: set[tuple] = set()
+        self.options: dict = {}
+        self.probes: dict[tuple, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def prepare(self, heads: nn.Module, packs=None) -> None:
+        """Ready the graphs for `heads`' draft layer as it is now (see CompiledSteps.prepare)."""
+        tensors = list(itertools.chain(heads.parameters(), heads.buffers()))
+        source = (id(heads), tuple((id(t), tuple(t.shape), t.dtype) for t in tensors))
+        signature = _signature(tensors, self.probes)
+        if self.run is not None and source == self.source and torch.equal(signature, self.signature):
+            return
+        self.layer = columnwise_copy(heads.draft_layer, packs=packs, eval_mode=True)
+        self.source, self.signature, self.shapes = source, signature, set()
+        self.run = torch.compile(_draft_forward_of(self.layer), fullgraph=True, dynamic=False)
+        weight = heads.draft_layer.fc.weight
+        self.options = compile_options(weight.device, weight.dtype)
+        if weight.device.type == "cpu":
+            # inductor's C++ GEMM (freezing, max_autotune) halved a pass's time against freezing alone (1.05 against
+            # 1.79 ms, 4 slots after 300); aten's kernels are allowed where that has none for a shape, and the timing
+            # of the choices is not printed.
+            self.options.update(max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
+
+    def forward(self, states: torch.Tensor, next_embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                cache: Cache) -> torch.Tensor:
+        """The draft layer's forward (eagle.DraftLayer, eagle3.Eagle3Draft) through the graph of this shape, on a
+        static cache from adopt whose first mask.shape[-1] - n slots are the committed and drafted ones."""
+        past = mask.shape[-1] - states.shape[1]
+        return _run_on_buffer(self.run, self.options, self.shapes, "the draft layer", cache, past, mask, states,
+                              next_embeds, positions)
+
+
+def _draft_forward_of(layer: nn.Module):
+    """`layer`'s forward as the draft graph runs it, with a code object of its own (see _forward_of)."""
+
+    def forward(states: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, mask, cache: Cache):
+        return layer(states, next_embeds, mask, positions, cache)
+
+    return types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
+                              forward.__closure__)
+
+
+def _signature(tensors: list[torch.Tensor], probes: dict[tuple, torch.Tensor]) -> torch.Tensor:
+    """Each tensor's product with a fixed random vector: any change of its values shows, also one made through
+    `.data` (peft's merge_adapter), which leaves the version counter as it was."""
+    sums = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(tensor.shape[0] if tensor.dim() else 1, -1)
+        key = (flat.shape[1], flat.dtype, flat.device)
+        if key not in probes:  # its own generator: the caller's random stream stays as it was
+            probe = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(flat.shape[1]))
+            probes[key] = probe.to(flat.device, flat.dtype if flat.is_floating_point() else torch.float32)
+        probe = probes[key]
+        sums.append(flat.to(probe.dtype) @ probe)
+    return torch.cat(sums).float()
+
+
+def adopt(cache: Cache, slots: int) -> Cache:
+    """A static cache of room for `slots` slots and ROOM_AFTER more (rounded up to CACHE_SLOTS), holding `cache`'s
+    (a prefill's)."""
+    room = -(-(slots + ROOM_AFTER) // CACHE_SLOTS) * CACHE_SLOTS
+    static = Cache(layers=[BufferLayer(room) for _ in cache.layers])
+    for layer, source in zip(static.layers, cache.layers):
+        layer.lazy_initialization(source.keys, source.values)
+        length = source.keys.shape[-2]
+        layer.keys[..., :length, :] = source.keys
+        layer.values[..., :length, :] = source.values
+    return static
+
+
+def _run_on_buffer(run, options: dict, shapes: set[tuple], what: str, cache: Cache, past: int, mask, *inputs):
+    """`run(*inputs, mask, cache)`, a graph over a block of n slots (inputs [B, n, ...]) after `past` slots of a static
+    cache from adopt (grown where the block would not fit), attending to those slots and its own."""
+    rows, n = inputs[0].shape[:2]
+    if past + n > cache.layers[0].max_cache_len:
+        cache.layers = adopt(_narrowed(cache, past), past + n).layers
+    for layer in cache.layers:  # the slots attended to, and where StaticLayer.update writes the block's
+        layer.window(past + n)
+        layer.cumulative_length.fill_(past)
+    # Copies in every call's strides: a graph guards on them, also a size-1 dimension's, which .contiguous()
+    # keeps (a chain of one token expanded to n nodes arrives with stride 0).
+    inputs = [values.new_empty(values.shape).copy_(values) for values in inputs]
+    shape = (rows, n)
+    if shape not in shapes:
+        print(f"medusa_spec: compiling {what} for {rows} row(s) x {n} slots (once per process and shape; minutes "
+              f"on a small CPU)", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        # One graph for any text length: the slots attended to are a dimension of their own.
+        for each in mask.values() if isinstance(mask, dict) else [mask]:  # [B, 1, N, L]
+            torch._dynamo.mark_dynamic(each, 3)
+        for layer in cache.layers:  # [B, heads, L, head_dim]
+            torch._dynamo.mark_dynamic(layer.keys, 2)
+            torch._dynamo.mark_dynamic(layer.values, 2)
+    # inductor's options as a patch around the call (a graph compiles at its shape's first call): torch.compile's
+    # options= did not reach freezing, and setting them process-wide would change the caller's compiles too.
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT), \
+            torch._inductor.config.patch(options):
+        out = run(*inputs, mask, cache)
+    if shape not in shapes:
+        shapes.add(shape)
+        print(f"medusa_spec: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return out
 
 
 def _narrowed(cache: Cache, length: int) -> Cache:

@@ -61,8 +61,9 @@ def fork_prefix(cache: DynamicCache, length: int) -> DynamicCache:
     the buffer both share. So `cache`'s slots past `length` may be overwritten: for a caller that drops them anyway
     (the eagle proposer drops a step's drafted slots, see propose.DraftLayerProposer.update). A fork of plain
     DynamicLayers copied the whole past at each update instead: the eagle proposer's three draft-layer calls a step
-    spent a visible share of their time in torch.cat, growing with the text."""
-    fork = DynamicCache()
+    spent a visible share of their time in torch.cat, growing with the text. The fork is of `cache`'s own class (a
+    compiled graph guards on it: compiled.DraftGraphs)."""
+    fork = copy.copy(cache)
     fork.layers = [copy.copy(layer) for layer in cache.layers]
     for layer in fork.layers:
         if layer.is_initialized:

@@ -20,7 +20,7 @@ from torch import nn
 from .accept import Sampling, accept_candidates, draw_targets
 from .base import BaseSpec
 from .columnwise import PackedWeights, columnwise_copy
-from .compiled import CompiledSteps
+from .compiled import CompiledSteps, adopt
 from .inputs import prepare_inputs
 from .kv_cache import new_cache
 from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
@@ -136,7 +136,7 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
         logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position, layers)
         if compiled is not None:
-            slots.cache = compiled.adopt(slots.cache, slots.past + max_new_tokens)
+            slots.cache = adopt(slots.cache, slots.past + max_new_tokens)
         root = draw_targets(logits, sampling)[:, -1]
         count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
         stats.steps = 1

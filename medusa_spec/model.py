@@ -253,7 +253,8 @@ class MedusaModel(nn.Module):
         compiled = None
         if compile:
             compiled = self._compiled
-            compiled.prepare(self.base_model, spec, tuple(getattr(self.heads, "feature_layers", ())))
+            compiled.prepare(self.base_model, spec, tuple(getattr(self.heads, "feature_layers", ())), self.heads,
+                             self._packed_weights)
         proposer = self._trees.proposer(self, tree, batch, compiled)
         proposer = with_lookup(proposer, lookup_tokens, documents, spec.vocab_size)
         return decode(self.base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad,

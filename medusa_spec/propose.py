@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .columnwise import PackedWeights, columnwise_copy
+from .compiled import DraftGraphs, adopt, block_size
 from .context import ContextCache
 from .eagle import DRAFT_LAYER_SPEC
 from .kv_cache import fork_prefix, new_cache
@@ -211,14 +212,17 @@ class DraftLayerProposer(Proposer):
     the base's state there with the token after it, at position j; the last one, the previous step's last accepted
     state with the root, gives depth 1's candidates. Depth d's nodes then take slots at the root slot's position
     + d, each with its parent's output and its own token, seeing the committed slots and its ancestors' slots.
-    After the verify pass the drafted slots are dropped and the step's accepted states take their place."""
+    After the verify pass the drafted slots are dropped and the step's accepted states take their place.
+    With `graphs` (generate(compile=True)), the draft layer's passes after the prompt's run through its compiled
+    graphs, on a static cache."""
 
-    def __init__(self, base_model: nn.Module, heads: nn.Module, tree: MedusaTree):
-        self.base_model, self.heads, self.layout = base_model, heads, tree
+    def __init__(self, base_model: nn.Module, heads: nn.Module, tree: MedusaTree, graphs: DraftGraphs | None = None):
+        self.base_model, self.heads, self.layout, self.graphs = base_model, heads, tree, graphs
         self.modules = (heads,)
         self.max_depth = tree.max_depth
         self.feature_layers = heads.feature_layers
         self.embed = base_model.get_input_embeddings()
+        self.draft_pass = heads.draft_layer if graphs is None else graphs.forward
 
     def start(self, prompt: Prompt) -> None:
         self.layout = self.layout.to(prompt.root.device)
@@ -229,7 +233,9 @@ class DraftLayerProposer(Proposer):
         cache = new_cache()
         mask = attention_masks(DRAFT_LAYER_SPEC, valid, positions, positions, causal, prompt.hidden.dtype)
         outputs = self.heads.draft_layer(self.heads.features(prompt.hidden), self.embed(next_ids), mask, positions,
-                                         cache)
+                                         cache)  # eager: a prompt's length changes with every call
+        if self.graphs is not None:
+            cache = adopt(cache, input_ids.shape[1])
         # The root's slot is the prompt's last position: the draft layer's next slot is the root's own position.
         self.slots = Slots(cache, valid, positions, positions[:, -1] + 1, prompt.max_position, input_ids.shape[1])
         self.root_output = outputs[:, -1]
@@ -258,8 +264,8 @@ class DraftLayerProposer(Proposer):
             allowed = kv_valid[:, None, :].expand(-1, q_pos.shape[1], -1).clone()
             allowed[:, :, slots.past:] = tree.tree_mask[level, 1: level.stop]
             mask = layer_masks(DRAFT_LAYER_SPEC, allowed, q_pos, kv_pos, outputs.dtype)
-            outputs = heads.draft_layer(outputs[:, tree.parent[level] - start], self.embed(node_tokens[:, level]), mask,
-                                        q_pos, slots.cache)
+            outputs = self.draft_pass(outputs[:, tree.parent[level] - start], self.embed(node_tokens[:, level]), mask,
+                                      q_pos, slots.cache)
         return Candidates(node_tokens, tree)
 
     def update(self, step: StepResult) -> None:
@@ -271,15 +277,22 @@ class DraftLayerProposer(Proposer):
                       past.next_pos, past.max_position, past.past)
         # The step's accepted states: root and accepted nodes, each with the token after it (the last: the bonus),
         # at the root's position onwards.
-        hidden, kept = step.hidden, step.kept
-        offsets = torch.arange(kept.shape[1], device=kept.device)
+        hidden, kept, new_tokens = step.hidden, step.kept, step.new_tokens
+        width = kept.shape[1]
+        if self.graphs is not None:
+            # Padded to a few widths (each a graph to compile): the tree's depth + 1, else a lookup chain's longer
+            # path's block size. The padding slots are invalid and left out of the commit below.
+            width = max(width, self.max_depth + 1) if width <= self.max_depth + 1 else block_size(width)
+            kept, new_tokens = (torch.cat([ids, ids[:, -1:].expand(-1, width - ids.shape[1])], dim=1)
+                                for ids in (kept, new_tokens))
+        offsets = torch.arange(width, device=kept.device)
         n_kept = (step.accept_length + 1) * step.going
         q_pos, kv_valid, kv_pos = slots.verify_inputs(offsets, offsets < n_kept[:, None])
-        causal = torch.ones(kept.shape[1], kept.shape[1], dtype=torch.bool, device=kept.device).tril()
+        causal = torch.ones(width, width, dtype=torch.bool, device=kept.device).tril()
         mask = attention_masks(DRAFT_LAYER_SPEC, kv_valid, kv_pos, q_pos, causal, hidden.dtype)
         states = self.heads.features(hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1])))
-        outputs = self.heads.draft_layer(states, self.embed(step.new_tokens), mask, q_pos, slots.cache)
-        slots.commit(offsets.expand(kept.shape[0], -1), n_kept, n_kept)
+        outputs = self.draft_pass(states, self.embed(new_tokens), mask, q_pos, slots.cache)
+        slots.commit(offsets[: step.kept.shape[1]].expand(kept.shape[0], -1), n_kept, n_kept)
         self.slots = slots
         self.root_output = outputs.gather(1, step.accept_length[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0]
 
@@ -304,8 +317,9 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
     foretold) corrects them for how confident the draft is on this text. The choice needs the step's probabilities on
     the host: one more sync a step on a GPU."""
 
-    def __init__(self, base_model: nn.Module, heads: nn.Module, tree: DynamicTree):
-        super().__init__(base_model, heads, chain_tree(0))  # the layout: the root alone, for a step that drafts nothing
+    def __init__(self, base_model: nn.Module, heads: nn.Module, tree: DynamicTree, graphs: DraftGraphs | None = None):
+        # the layout: the root alone, for a step that drafts nothing
+        super().__init__(base_model, heads, chain_tree(0), graphs)
         self.dynamic = tree
         self.max_depth = heads.num_heads
 
@@ -358,8 +372,8 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             allowed = kv_valid[:, None, :].expand(-1, kept.numel(), -1).clone()
             allowed[:, :, slots.past:] = (path[kept][:, :, None] == torch.cat(drafted)).any(1)
             mask = layer_masks(DRAFT_LAYER_SPEC, allowed, q_pos, kv_pos, outputs.dtype)
-            outputs = heads.draft_layer(outputs[:, kept // top_k], self.embed(tokens[-1][:, kept]), mask, q_pos,
-                                        slots.cache)
+            outputs = self.draft_pass(outputs[:, kept // top_k], self.embed(tokens[-1][:, kept]), mask, q_pos,
+                                      slots.cache)
             beam_logp, beam_value, beam_paths = logp[:, kept], value[kept], path[kept]
         # Best first; a child that ties its parent comes after it (stable, and parents were drafted first).
         order = torch.sort(torch.cat(values), descending=True, stable=True)
@@ -440,12 +454,13 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
 
 
 def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree | DynamicTree,
-                   packs: PackedWeights | None = None) -> Proposer:
+                   packs: PackedWeights | None = None, graphs: DraftGraphs | None = None) -> Proposer:
     """The heads on `tree` (through a column-wise copy: see columnwise), or RootOnly for a root-only tree (no heads
     needed); a DynamicTree takes eagle heads. `packs`: the caller's packed weights (columnwise.PackedWeights), which
     the copy's layers and its draft vocabulary's projection then compute from: the projection runs several times
     faster from its pack than from its plain weight, and heads draft 3 levels a step (measured: "Eagle heads on
-    5.80M tokens, cheaper drafting" in experiments/2026-12-smollm2-135m-instruct/NOTES.md)."""
+    5.80M tokens, cheaper drafting" in experiments/2026-12-smollm2-135m-instruct/NOTES.md). `graphs`: eagle heads'
+    draft layer compiled (compiled.DraftGraphs, prepared for these heads), for generate(compile=True)."""
     dynamic = isinstance(tree, DynamicTree)
     if dynamic and getattr(heads, "draft_layer", None) is None:
         raise ValueError("a DynamicTree needs eagle heads (head_type='eagle'), which draft each level from the one "
@@ -457,9 +472,9 @@ def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaT
     if packs is not None and heads is not original and draft_lm_weight is not None:
         vars(heads)["draft_lm_packed"] = packs.get(draft_lm_weight)  # on the copy only (see MedusaHeads.project)
     if dynamic:
-        return DynamicDraftLayerProposer(base_model, heads, tree)
+        return DynamicDraftLayerProposer(base_model, heads, tree, graphs)
     if getattr(heads, "draft_layer", None) is not None:
-        return DraftLayerProposer(base_model, heads, tree)
+        return DraftLayerProposer(base_model, heads, tree, graphs)
     return HeadsProposer(base_model, heads, tree)
 
 

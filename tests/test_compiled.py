@@ -4,7 +4,7 @@ as lossless as the eager one, on every architecture, and invisible to the caller
 import pytest
 import torch
 
-from medusa_spec import DynamicTree, autotree, compiled
+from medusa_spec import DynamicTree, autotree, compiled, loop, propose
 from test_dynamic_tree import SETTINGS
 from test_eagle import eagle_heads
 from test_generate import TREE, OracleHeads, left_padded, medusa, prompt, reference_generate
@@ -38,9 +38,9 @@ def test_compiled_padded_batch_and_a_grown_cache_equal_per_row_generation(arch, 
     monkeypatch.setattr(compiled, "CACHE_SLOTS", 8)
     monkeypatch.setattr(compiled, "ROOM_AFTER", 0)
     adopted = []
-    adopt = compiled.CompiledSteps.adopt
-    monkeypatch.setattr(compiled.CompiledSteps, "adopt",
-                        lambda self, cache, slots: adopted.append(slots) or adopt(self, cache, slots))
+    adopt = compiled.adopt
+    for module in (compiled, loop):
+        monkeypatch.setattr(module, "adopt", lambda cache, slots: adopted.append(slots) or adopt(cache, slots))
     model = tiny_model(arch)
     rows = [prompt(13, seed=10)[0], prompt(4, seed=11)[0]]
     ids, mask = left_padded(rows)
@@ -88,6 +88,42 @@ def test_compiled_dynamic_trees_are_lossless_and_priced_by_the_compiled_graphs(h
     # Sizes 5..8 run one graph, the 8-node one, and 3..4 the 4-node one: with drafting free, they cost the same.
     free = autotree.compiled_dynamic_tree(mm, mm._compiled, {1: 0.0, 8: 0.0})
     assert len(set(free.step_ms[4:])) == 1 and free.step_ms[2] == free.step_ms[3] != free.step_ms[4]
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_compiled_drafting_drafts_what_eager_drafting_drafts(head_type, monkeypatch):
+    """With compile=True eagle heads' draft-layer passes run through graphs of their own (compiled.DraftGraphs): the
+    same candidates at every step as the same passes eager (both on the compiled verify pass), on a dynamic tree
+    and a static one; a step's update pass is padded to one width, so that later calls, other lengths of text
+    included, compile nothing again."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=3, head_type=head_type, seed=3)
+    drafted = []
+    for cls in (propose.DraftLayerProposer, propose.DynamicDraftLayerProposer):
+        own = cls.propose
+        monkeypatch.setattr(cls, "propose", lambda self, root, own=own: drafted.append(own(self, root)) or drafted[-1])
+    with_graphs = autotree.heads_proposer
+    texts = [reference_generate(model, prompt(seed=seed)[:, :length], max_new_tokens=24, eos_token_id=None)
+             for seed, length in ((6, 10), (7, 5))]
+    for tree in (DynamicTree(6), [[0], [1], [0, 0], [0, 0, 0]]):
+        runs = []
+        for graphs in (False, True):
+            monkeypatch.setattr(autotree, "heads_proposer", with_graphs if graphs else
+                                lambda base, heads, tree, packs=None, graphs=None: with_graphs(base, heads, tree, packs))
+            drafted.clear()
+            out = mm.generate(texts[0][:, :10], max_new_tokens=24, eos_token_id=[], tree=tree, compile=True)
+            assert torch.equal(out.sequences, texts[0])
+            runs.append([(c.node_tokens, c.tree.tree_mask) for c in drafted])
+        assert len(runs[0]) == len(runs[1]) > 5
+        for (tokens, mask), (tokens_c, mask_c) in zip(*runs):
+            assert torch.equal(tokens, tokens_c) and torch.equal(mask, mask_c)
+        if isinstance(tree, DynamicTree):  # its beam and top_k (4), every update's width (depth 3 + 1)
+            assert mm._compiled.draft.shapes == {(1, 4)}, mm._compiled.draft.shapes
+    assert mm._compiled.draft.shapes == {(1, 4), (1, 2), (1, 1)}  # and the static tree's levels, 2 and 1 wide
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for tree in (DynamicTree(6), [[0], [1], [0, 0], [0, 0, 0]]):
+            out = mm.generate(texts[1][:, :5], max_new_tokens=24, eos_token_id=[], tree=tree, compile=True)
+            assert torch.equal(out.sequences, texts[1])
 
 
 @pytest.mark.parametrize("sampling", SETTINGS[1:3], ids=str)
