@@ -230,9 +230,9 @@ class DraftGraphs:
         weight = heads.draft_layer.fc.weight
         self.options = compile_options(weight.device, weight.dtype)
         if weight.device.type == "cpu":
-            # inductor's C++ GEMM (freezing, max_autotune) halved a pass's time against freezing alone (1.05 against
-            # 1.79 ms, 4 slots after 300); aten's kernels are allowed where that has none for a shape, and the timing
-            # of the choices is not printed.
+            # With inductor's C++ GEMM (max_autotune) a pass of 4 slots after 300 took 1.07 ms, with freezing alone
+            # 1.27, eagerly 2.09 (experiments/2026-12-06-compiled-draft); aten's kernels are allowed where the C++
+            # GEMM has none for a shape, and the timing of the choices is not printed.
             self.options.update(max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
 
     def forward(self, states: torch.Tensor, next_embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

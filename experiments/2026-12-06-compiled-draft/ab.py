@@ -39,7 +39,7 @@ totals = {name: [0.0, 0, 0, StepTimer()] for name in arms}  # seconds, new token
 same = 0
 for i, ids in enumerate(prompts):
     names = list(arms)[i % 3:] + list(arms)[: i % 3]
-    outputs = {}
+    outputs, rates = {}, {}
     for name in names:
         tree_of, proposer_of = arms[name]
         autotree.heads_proposer = proposer_of
@@ -48,12 +48,13 @@ for i, ids in enumerate(prompts):
         seconds = time.perf_counter() - start
         autotree.heads_proposer = with_graphs
         outputs[name] = out.sequences
+        rates[name] = (out.sequences.shape[1] - ids.shape[1]) / seconds
         totals[name][0] += seconds
         totals[name][1] += out.sequences.shape[1] - ids.shape[1]
         totals[name][2] += out.stats.steps
     same += all(torch.equal(outputs[name], outputs["tree=[]"]) for name in arms)
-    print(f"prompt {i}: " + ", ".join(f"{name} {outputs[name].shape[1] - ids.shape[1]} tokens" for name in arms),
-          flush=True)
+    print(f"prompt {i}: " + ", ".join(f"{name} {outputs[name].shape[1] - ids.shape[1]} tokens {rates[name]:.1f} tok/s"
+                                      for name in arms), flush=True)
 for name, (tree_of, proposer_of) in arms.items():  # where a step's time goes: the first prompt again, timed
     autotree.heads_proposer = proposer_of
     mm.generate(prompts[0], max_new_tokens=128, tree=tree_of, compile=True, timer=totals[name][3])

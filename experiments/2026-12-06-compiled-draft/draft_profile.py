@@ -1,7 +1,10 @@
 # One-off: drafting's time per step with the draft layer eager and through its compiled graphs (compiled.DraftGraphs),
 # the verify pass eager (no verify graphs to compile), one MT-bench prompt, 128 tokens, DynamicTree(8); arms in turn,
 # each twice (the first graphs run pays their compiles). Prints the loop's stages (StepTimer) and, by a wrapper, the
-# proposer's propose and update and the graphs' own calls. Usage: python draft_profile.py
+# proposer's propose and update and the graphs' own calls.
+# Usage: python draft_profile.py [FILE INDEX]: prompt INDEX of medusa_spec/data/FILE (one per category), default
+# mt_bench_question.jsonl 0
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +25,9 @@ path = default_model.prepare()
 tokenizer = AutoTokenizer.from_pretrained(path)
 base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 mm = MedusaModel.from_pretrained(base, default_model.shipped_heads())
-ids = encode(tokenizer, [text for _, text in read_eval_prompts(DATA / "mt_bench_question.jsonl", 1)][0])
+file, index = (sys.argv[1], int(sys.argv[2])) if len(sys.argv) > 2 else ("mt_bench_question.jsonl", 0)
+ids = encode(tokenizer, [text for _, text in read_eval_prompts(DATA / file, 1)][index])
+print(f"{file} {index}: {ids.shape[1]} prompt tokens")
 mm.generate(ids, max_new_tokens=8, tree=DynamicTree(8))
 graphs = DraftGraphs()
 graphs.prepare(mm.heads, mm._packed_weights)

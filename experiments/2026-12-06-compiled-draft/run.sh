@@ -9,5 +9,5 @@ if [ -n "$PID" ]; then
 fi
 sleep 5
 uptime
-.venv/bin/python experiments/2026-12-06-compiled-draft/ab.py "$@" 2>&1 | grep --line-buffered -v "Warn\|Loading weights\|warnings.warn"
+TORCH_LOGS=recompiles .venv/bin/python experiments/2026-12-06-compiled-draft/ab.py "$@" 2>&1 | grep --line-buffered -v "Warn\|Loading weights\|warnings.warn"
 uptime
