@@ -295,24 +295,24 @@ def _run_on_buffer(run, options: dict, shapes: set[tuple], what: str, cache: Cac
     # keeps (a chain of one token expanded to n nodes arrives with stride 0).
     inputs = [values.new_empty(values.shape).copy_(values) for values in inputs]
     shape = (rows, n)
-    if shape not in shapes:
-        print(f"medusa_spec: compiling {what} for {rows} row(s) x {n} slots (once per process and shape; minutes "
-              f"on a small CPU)", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        # One graph for any text length: the slots attended to are a dimension of their own.
-        for each in mask.values() if isinstance(mask, dict) else [mask]:  # [B, 1, N, L]
-            torch._dynamo.mark_dynamic(each, 3)
-        for layer in cache.layers:  # [B, heads, L, head_dim]
-            torch._dynamo.mark_dynamic(layer.keys, 2)
-            torch._dynamo.mark_dynamic(layer.values, 2)
+    if shape in shapes:  # compiled: the options below only matter to a compile, and patching them costs ~0.2 ms
+        return run(*inputs, mask, cache)
+    print(f"medusa_spec: compiling {what} for {rows} row(s) x {n} slots (once per process and shape; minutes on a "
+          f"small CPU)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    # One graph for any text length: the slots attended to are a dimension of their own.
+    for each in mask.values() if isinstance(mask, dict) else [mask]:  # [B, 1, N, L]
+        torch._dynamo.mark_dynamic(each, 3)
+    for layer in cache.layers:  # [B, heads, L, head_dim]
+        torch._dynamo.mark_dynamic(layer.keys, 2)
+        torch._dynamo.mark_dynamic(layer.values, 2)
     # inductor's options as a patch around the call (a graph compiles at its shape's first call): torch.compile's
     # options= did not reach freezing, and setting them process-wide would change the caller's compiles too.
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT), \
             torch._inductor.config.patch(options):
         out = run(*inputs, mask, cache)
-    if shape not in shapes:
-        shapes.add(shape)
-        print(f"medusa_spec: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    shapes.add(shape)
+    print(f"medusa_spec: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
