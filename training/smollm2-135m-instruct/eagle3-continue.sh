@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The shipped EAGLE-3 heads (heads/smollm2-135m-instruct-eagle3/) continued: eagle3.sh's fp32 heads (FROM) trained on
 # over a 1,100-step schedule, on conversations they have not seen plus a replay of 1,600 they have, fp32, run 6's 40
-# held-out conversations left out. The shipped heads are this run's adapter at step 1,049, where its last call's time
-# limit stopped it (calls over three sessions, resumed each time: 160, 105 and 118 minutes and a short one, all paused
-# for benchmarks much of the time; 2-core x86 CPU).
+# held-out conversations left out; its adapter at step 1,049, where its last call's time limit stopped it (calls over
+# three sessions, resumed each time: 160, 105 and 118 minutes and a short one, all paused for benchmarks much of the
+# time; 2-core x86 CPU), is what eagle3-continue2.sh, the shipped heads' third stage, starts from.
 # Rerun to resume from its last checkpoint. NO_SHIP=1 keeps the adapter in RUN; otherwise it is written to heads/ as
 # a speculators folder.
 # Usage: bash training/smollm2-135m-instruct/eagle3-continue.sh [RUN] [FROM]
