@@ -103,13 +103,16 @@ def test_compiled_drafting_drafts_what_eager_drafting_drafts(head_type, monkeypa
         own = cls.propose
         monkeypatch.setattr(cls, "propose", lambda self, root, own=own: drafted.append(own(self, root)) or drafted[-1])
     with_graphs = autotree.heads_proposer
+
+    def eager_drafting(base, heads, tree, packs=None, graphs=None):
+        return with_graphs(base, heads, tree, packs)
+
     texts = [reference_generate(model, prompt(seed=seed)[:, :length], max_new_tokens=24, eos_token_id=None)
              for seed, length in ((6, 10), (7, 5))]
     for tree in (DynamicTree(6), [[0], [1], [0, 0], [0, 0, 0]]):
         runs = []
         for graphs in (False, True):
-            monkeypatch.setattr(autotree, "heads_proposer", with_graphs if graphs else
-                                lambda base, heads, tree, packs=None, graphs=None: with_graphs(base, heads, tree, packs))
+            monkeypatch.setattr(autotree, "heads_proposer", with_graphs if graphs else eager_drafting)
             drafted.clear()
             out = mm.generate(texts[0][:, :10], max_new_tokens=24, eos_token_id=[], tree=tree, compile=True)
             assert torch.equal(out.sequences, texts[0])
