@@ -39,10 +39,10 @@ def measured(monkeypatch):
         calls["chosen"].append(autotree.best_tree(table, rank_accuracy)["tree"])
         return tree, table
 
-    def recording_proposer(base_model, heads, tree, packs=None):
+    def recording_proposer(base_model, heads, tree, packs=None, graphs=None):
         if not calls.get("measuring"):
             calls["drafted"].append(paths(tree.choices))
-        return proposer(base_model, heads, tree, packs)
+        return proposer(base_model, heads, tree, packs, graphs)
 
     monkeypatch.setattr(autotree, "measure_costs", counting_measure)
     monkeypatch.setattr(autotree, "choose_tree", recording_choose)
