@@ -107,8 +107,9 @@ def repeats_a_sibling(node_tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
     decided by the tokens alone, before any draw, so every emitted token stays an exact draw.
     """
     index = torch.arange(tree.num_nodes, device=node_tokens.device)
-    earlier_sibling = (tree.parent[:, None] == tree.parent[None, :]) & (index[None, :] < index[:, None])  # [N, N]
-    earlier_sibling[:, 0] = False  # the root is its own parent, not a sibling of depth-1 nodes
+    parent = tree.rows().parent  # [B or 1, N]
+    earlier_sibling = (parent[:, :, None] == parent[:, None, :]) & (index[None, :] < index[:, None])  # [B or 1, N, N]
+    earlier_sibling[:, :, 0] = False  # the root is its own parent, not a sibling of depth-1 nodes
     return ((node_tokens[:, :, None] == node_tokens[:, None, :]) & earlier_sibling).any(dim=-1)
 
 
@@ -124,12 +125,14 @@ def accept(node_tokens: torch.Tensor, logits: torch.Tensor, tree: Tree,
     the base model's token after it.
     """
     targets = draw_targets(logits, sampling)  # [B, N]
+    rows = tree.rows()  # a shared tree as one row, or each row's own tree
     # Node i is reached iff it and every ancestor below the root equal their parent's target.
-    matches = (node_tokens == targets[:, tree.parent]) & ~repeats_a_sibling(node_tokens, tree)
+    matches = (node_tokens == targets.gather(1, rows.parent.expand_as(targets))) & ~repeats_a_sibling(node_tokens,
+                                                                                                        tree)
     matches[:, 0] = True  # the root was emitted before this step
-    reached = (tree.tree_mask[None] & ~matches[:, None, :]).sum(-1) == 0  # [B, N]: no mismatched ancestor
+    reached = (rows.tree_mask & ~matches[:, None, :]).sum(-1) == 0  # [B, N]: no mismatched ancestor
     # Reachable siblings hold distinct tokens, so reached nodes form one chain; take its deepest.
-    accept_length, last_node = (reached * (tree.depth + 1)).max(dim=-1)
+    accept_length, last_node = (reached * (rows.depth + 1)).max(dim=-1)
     return last_node, accept_length - 1, targets.gather(1, last_node[:, None])[:, 0]
 
 

@@ -224,9 +224,8 @@ def interpolate(xs: list[int], ys: list[float], x: int) -> float:
 def deepest_step(candidates: Candidates, hidden: torch.Tensor, bonus: torch.Tensor) -> StepResult:
     """A step in which every row accepted the tree's deepest path, the most slots a context layer's step takes;
     hidden [B, N, H] from the verify pass, bonus [B]."""
-    tree = candidates.tree
-    last_node = tree.depth.argmax().expand(bonus.shape[0])
-    accept_length = tree.depth[last_node]
+    depth = candidates.tree.rows().depth.expand(bonus.shape[0], -1)
+    accept_length, last_node = depth.max(dim=-1)
     path, new_tokens = loop.accepted_path(candidates, last_node, accept_length, bonus)  # as acceptance builds them
     row = torch.ones_like(bonus, dtype=torch.bool)
     host = HostStep(accept_length.tolist(), row.tolist(), new_tokens.tolist(), row.tolist())
@@ -493,12 +492,12 @@ class TreeChoice:
 
     def proposer(self, mm, tree: list[list[int]] | DynamicTree | None, batch: int,
                  compiled: CompiledSteps | None = None) -> Proposer:
-        """generate's proposer for `tree`. None: eagle heads drafting one row, a priced DynamicTree (a batch shares
-        one dynamic tree and drafts its whole beam for every row: on a 2-core CPU, for 4 MT-bench rows, it ran
-        slower than the root alone and the static trees below, scripts/bench_batch.py); other heads and batches
-        with rank accuracies, AdaptiveTree over table(batch), or
-        no speculation at all (RootOnly, as tree=[]) where the step costs say no tree pays for this batch even at
-        the held-out accuracies, which overrate the heads on most text; else the heads on choices(batch).
+        """generate's proposer for `tree`. None: eagle heads drafting one row, a priced DynamicTree (not for a
+        batch: each row drafts a whole beam, and on a 2-core CPU, for 4 MT-bench rows, it ran slower than the root
+        alone and the static trees below, each row on its own tree too, experiments/2026-12-06-per-row-trees);
+        other heads and batches with rank accuracies, AdaptiveTree over table(batch), or no speculation at all
+        (RootOnly, as tree=[]) where the step costs say no tree pays for this batch even at the held-out accuracies,
+        which overrate the heads on most text; else the heads on choices(batch).
         A DynamicTree or rank paths are kept as given; [] is RootOnly. With `compiled` (generate(compile=True)),
         eagle heads draft through its draft graphs, and their tree for one row is priced by the compiled graphs
         instead (compiled_dynamic_tree, kept as the costs are); every other choice is the eager one, its blocks padded

@@ -157,29 +157,31 @@ class PromptLookup:
 
 
 def tree_with_chain(tree: Tree, length: int) -> Tree:
-    """`tree` (N nodes) plus a chain of `length` nodes hanging off its root, appended as nodes N .. N+length-1, on
-    the tree's device.
+    """`tree` (N nodes, shared or per row) plus a chain of `length` nodes hanging off its root, appended as nodes
+    N .. N+length-1, on the tree's device.
 
     The merged tree is what verify and accept read; the heads draft their N nodes on their own tree.
     """
     device = tree.depth.device
     n, total = tree.num_nodes, tree.num_nodes + length
     max_depth = max(tree.max_depth, length)
+    lead = tree.depth.shape[:-1]  # () for a shared tree, (B,) for a per-row one
     chain = torch.arange(n, total, device=device)
-    depth = torch.cat([tree.depth, torch.arange(1, length + 1, device=device)])
-    parent = torch.cat([tree.parent, torch.cat([torch.zeros(1, dtype=torch.long, device=device), chain[:-1]])])
-    tree_mask = torch.zeros(total, total, dtype=torch.bool, device=device)
-    tree_mask[:n, :n] = tree.tree_mask
-    tree_mask[n:, 0] = True
-    tree_mask[n:, n:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    depth = torch.cat([tree.depth, torch.arange(1, length + 1, device=device).expand(*lead, -1)], dim=-1)
+    parent = torch.cat([tree.parent, torch.cat([torch.zeros(1, dtype=torch.long, device=device),
+                                                chain[:-1]]).expand(*lead, -1)], dim=-1)
+    tree_mask = torch.zeros(*lead, total, total, dtype=torch.bool, device=device)
+    tree_mask[..., :n, :n] = tree.tree_mask
+    tree_mask[..., n:, 0] = True
+    tree_mask[..., n:, n:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     # Past its depth a node's path repeats the node itself (as build_tree lays it out).
     steps = torch.arange(max_depth, device=device)
-    node_paths = torch.empty(total, max_depth + 1, dtype=torch.long, device=device)
-    node_paths[:n, : tree.max_depth + 1] = tree.node_paths
-    node_paths[:n, tree.max_depth + 1:] = torch.arange(n, device=device)[:, None]
-    node_paths[n:, 0] = 0
-    node_paths[n:, 1:] = torch.where(steps[None, :] <= torch.arange(length, device=device)[:, None],
-                                     n + steps[None, :], chain[:, None])
+    node_paths = torch.empty(*lead, total, max_depth + 1, dtype=torch.long, device=device)
+    node_paths[..., :n, : tree.max_depth + 1] = tree.node_paths
+    node_paths[..., :n, tree.max_depth + 1:] = torch.arange(n, device=device)[:, None]
+    node_paths[..., n:, 0] = 0
+    node_paths[..., n:, 1:] = torch.where(steps[None, :] <= torch.arange(length, device=device)[:, None],
+                                          n + steps[None, :], chain[:, None])
     return Tree(depth, parent, tree_mask, node_paths)
 
 
@@ -192,10 +194,10 @@ def add_chain(node_tokens: torch.Tensor, chain_tokens: torch.Tensor, has_match: 
     accept.repeats_a_sibling); a chain whose first token equals a depth-1 Medusa candidate wins here
     instead (it copies a run of text, usually longer than the heads' guesses). The choice is made from
     the tokens alone, before any draw, so it keeps sampling exact; a row with no match keeps its chain
-    out of reach entirely. `depth` [N + L] is the merged tree's.
+    out of reach entirely. `depth` [N + L] (or [B, N + L]) is the merged tree's.
     """
     node_tokens = torch.cat([node_tokens, chain_tokens], dim=1)
-    duplicate = (node_tokens[:, :num_tree_nodes] == chain_tokens[:, :1]) & (depth[:num_tree_nodes] == 1)
+    duplicate = (node_tokens[:, :num_tree_nodes] == chain_tokens[:, :1]) & (depth[..., :num_tree_nodes] == 1)
     unreachable = torch.cat([duplicate & has_match[:, None],
                              (~has_match)[:, None].expand(-1, chain_tokens.shape[1])], dim=1)
     return node_tokens, node_tokens.masked_fill(unreachable, UNREACHABLE)

@@ -219,7 +219,9 @@ def accepted_path(candidates: Candidates, last_node: torch.Tensor, accept_length
                   bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What acceptance keeps: last_node, accept_length, bonus [B] -> (path [B, D+1]: the root, the accepted nodes,
     then repeats; new_tokens [B, D+1]: the accepted tokens, the bonus at accept_length, then the path's)."""
-    path = candidates.tree.node_paths[last_node]
+    node_paths = candidates.tree.rows().node_paths  # [B or 1, N, D+1]
+    path = node_paths.expand(last_node.shape[0], -1, -1).gather(1, last_node[:, None, None].expand(
+        -1, 1, node_paths.shape[-1]))[:, 0]
     new_tokens = torch.cat([candidates.node_tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
     new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
     return path, new_tokens

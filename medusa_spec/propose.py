@@ -309,8 +309,9 @@ CALIBRATION_PRIOR = 8.0
 class DynamicDraftLayerProposer(DraftLayerProposer):
     """Eagle heads on a DynamicTree (EAGLE-2; see tree.DynamicTree): each step drafts its candidates level by level,
     a draft-layer pass over each level's beam, and hands over the best ones as that step's tree (a Tree built with
-    tensor ops, its nodes ordered by depth). One tree for every row of a batch: candidates rank by the probability
-    summed over the rows still generating, and each row's nodes hold its own tokens.
+    tensor ops, its nodes ordered by depth). In a batch each row drafts its own beam and gets its own tree (a per-row
+    Tree), what it would get alone; the tree's size is one for the batch (one verify pass), and the rows draft their
+    beams in the same passes.
 
     With step costs the size is chosen each step (size): the draft's probabilities say how many tokens the extra
     nodes would add, and a scale learned over the call (the tokens the tree's nodes matched / the probabilities it
@@ -349,14 +350,14 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             top = logp.masked_fill(logp.isnan(), float("-inf")).topk(top_k, dim=-1)
             logp = (beam_logp[:, :, None] + top.values).flatten(1)  # [B, n * top_k]
             index = torch.arange(count, count + logp.shape[1], device=device)
-            value = (logp.exp() * self.going[:, None]).sum(0)
-            # paths [n * top_k, depth]: each candidate's ancestors at depths 1 .. d, then itself repeated.
+            value = logp.exp()  # [B, n * top_k]
+            # paths [B, n * top_k, depth]: each candidate's ancestors at depths 1 .. d, then itself repeated.
             if beam_value is None:
-                path = index[:, None].expand(-1, depth).clone()
+                path = index[None, :, None].expand(root.shape[0], -1, depth).clone()
             else:  # never above its parent (rounding), so the best candidates always hold their parents
-                value = torch.minimum(value, beam_value.repeat_interleave(top_k))
-                path = beam_paths.repeat_interleave(top_k, dim=0)
-                path[:, d - 1:] = index[:, None]
+                value = torch.minimum(value, beam_value.repeat_interleave(top_k, dim=1))
+                path = beam_paths.repeat_interleave(top_k, dim=1)
+                path[:, :, d - 1:] = index[:, None]
             tokens.append(heads.token_ids(top.indices).flatten(1))
             values.append(value)
             paths.append(path)
@@ -364,51 +365,60 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             count += logp.shape[1]
             if d == depth or self.complete(values, value):
                 break  # the deepest candidates' slots would only guess below the tree
-            kept = value.topk(min(self.dynamic.beam, value.numel())).indices
+            kept = value.topk(min(self.dynamic.beam, value.shape[1]), dim=1).indices  # [B, beam]: each row's own
             drafted.append(index[kept])
             # The beam's slots, appended after the committed ones and those drafted before: each sees the committed
             # slots, its ancestors' and its own.
-            q_pos, kv_valid, kv_pos = slots.verify_inputs(torch.full_like(kept, d - 1))
-            allowed = kv_valid[:, None, :].expand(-1, kept.numel(), -1).clone()
-            allowed[:, :, slots.past:] = (path[kept][:, :, None] == torch.cat(drafted)).any(1)
+            q_pos, kv_valid, kv_pos = slots.verify_inputs(torch.full_like(kept[0], d - 1))
+            kept_paths = path.gather(1, kept[:, :, None].expand(-1, -1, depth))  # [B, beam, depth]
+            allowed = kv_valid[:, None, :].expand(-1, kept.shape[1], -1).clone()
+            allowed[:, :, slots.past:] = (kept_paths[:, :, :, None] == torch.cat(drafted, dim=1)[:, None, None]).any(2)
             mask = layer_masks(DRAFT_LAYER_SPEC, allowed, q_pos, kv_pos, outputs.dtype)
-            outputs = self.draft_pass(outputs[:, kept // top_k], self.embed(tokens[-1][:, kept]), mask, q_pos,
-                                      slots.cache)
-            beam_logp, beam_value, beam_paths = logp[:, kept], value[kept], path[kept]
-        # Best first; a child that ties its parent comes after it (stable, and parents were drafted first).
-        order = torch.sort(torch.cat(values), descending=True, stable=True)
-        *ordered, matched = torch.cat([order.values, self.matched[None]]).tolist()  # the step's host sync
+            parents = outputs.gather(1, (kept // top_k)[:, :, None].expand(-1, -1, outputs.shape[-1]))
+            outputs = self.draft_pass(parents, self.embed(tokens[-1].gather(1, kept)), mask, q_pos, slots.cache)
+            beam_logp, beam_value, beam_paths = logp.gather(1, kept), value.gather(1, kept), kept_paths
+        # Each row's tree: its own best candidates, best first; a child that ties its parent comes after it (stable,
+        # and parents were drafted first). The size is one for the batch (one verify pass), chosen on the rows'
+        # ranked probabilities summed rank by rank.
+        order = torch.sort(torch.cat(values, dim=1), dim=1, descending=True, stable=True)  # [B, count]
+        ranked = (order.values * self.going[:, None]).sum(0)
+        *ordered, matched = torch.cat([ranked, self.matched[None]]).tolist()  # the step's host sync
         n = self.size(ordered, matched)
         self.sizes.append(n)
         self.foretold_now = sum(ordered[: n - 1])
         if n == 1:
             self.tree = self.layout
             return Candidates(root[:, None], self.layout)
-        chosen = order.indices[: n - 1].sort().values  # by index: by depth, every parent before its children
-        node_of = torch.zeros(count, dtype=torch.long, device=device)
-        node_of[chosen] = torch.arange(1, n, device=device)
+        rows = root.shape[0]
+        chosen = order.indices[:, : n - 1].sort(dim=1).values  # [B, n - 1] by index: by depth, parents first
+        node_of = torch.zeros(rows, count, dtype=torch.long, device=device)
+        node_of.scatter_(1, chosen, torch.arange(1, n, device=device).expand(rows, -1))
         chosen_depth = torch.bucketize(chosen, torch.tensor(levels, device=device), right=True) + 1
-        node_paths = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=device),
-                                torch.cat([torch.zeros(1, depth, dtype=torch.long, device=device),
-                                           node_of[torch.cat(paths)[chosen]]])], dim=1)
-        tree_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen_depth])
-        tree_mask = (node_paths[:, :, None] == torch.arange(n, device=device)).any(1)
-        parent = node_paths.gather(1, (tree_depth - 1).clamp(min=0)[:, None])[:, 0]
+        ancestors = torch.cat(paths, dim=1).gather(1, chosen[:, :, None].expand(-1, -1, depth))  # candidate indices
+        ancestors = node_of.gather(1, ancestors.flatten(1)).view_as(ancestors)
+        node_paths = torch.cat([torch.zeros(rows, n, 1, dtype=torch.long, device=device),
+                                torch.cat([torch.zeros(rows, 1, depth, dtype=torch.long, device=device), ancestors],
+                                          dim=1)], dim=2)  # [B, n, depth + 1]
+        tree_depth = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), chosen_depth], dim=1)
+        tree_mask = (node_paths[:, :, :, None] == torch.arange(n, device=device)).any(2)
+        parent = node_paths.gather(2, (tree_depth - 1).clamp(min=0)[:, :, None])[:, :, 0]
         self.tree = Tree(tree_depth, parent, tree_mask, node_paths)
-        self.node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1)[:, chosen]], dim=1)
+        self.node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1).gather(1, chosen)], dim=1)
         return Candidates(self.node_tokens, self.tree)
 
     def complete(self, values: list[torch.Tensor], value: torch.Tensor) -> bool:
-        """Whether no candidate of a deeper level could enter the step's tree, so that drafting stops at this level
-        (`value`, the last of `values`) with the tree and size that drafting every level would give: a deeper
-        candidate is worth at most its beam ancestor, at most this level's best, and that is no more than the
-        `nodes - 1`-th best candidate so far (on a tie the earlier candidate ranks first). A small tree whose shallow
-        candidates outrank every deeper path then skips its deeper draft passes. On a CPU only: the test reads a
-        value on the host each level, which on a GPU is a sync that costs more than the pass it may save."""
+        """Whether no candidate of a deeper level could enter any row's tree, so that drafting stops at this level
+        (`value`, the last of `values`, [B, m] each) with the trees and size that drafting every level would give:
+        a deeper candidate is worth at most its beam ancestor, at most this level's best for its row, and that is no
+        more than the row's `nodes - 1`-th best candidate so far (on a tie the earlier candidate ranks first), in
+        every row still going. Small trees whose shallow candidates outrank every deeper path then skip their deeper
+        draft passes. On a CPU only: the test reads a value on the host each level, which on a GPU is a sync that
+        costs more than the pass it may save."""
         nodes = self.dynamic.nodes
-        if value.device.type != "cpu" or nodes < 2 or sum(v.numel() for v in values) < nodes - 1:
+        if value.device.type != "cpu" or nodes < 2 or sum(v.shape[1] for v in values) < nodes - 1:
             return False
-        return bool(value.max() <= torch.cat(values).topk(nodes - 1).values[-1])
+        least = torch.cat(values, dim=1).topk(nodes - 1, dim=1).values[:, -1]
+        return bool(((value.amax(1) <= least) | (self.going == 0)).all())
 
     def size(self, ordered: list[float], matched: float) -> int:
         """The step's tree size, root included, for the candidates' probabilities `ordered` (best first, summed over
@@ -431,14 +441,15 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
         # Evidence for the scale: how deep each row's emitted tokens (the accepted ones and the bonus: the base model's
         # own) run along this step's tree, whichever candidates the pass verified (a lookup chain's, say).
         if self.tree.num_nodes > 1:
-            paths = self.tree.node_paths[:, 1:]  # [N, depth]
+            paths = self.tree.node_paths[:, :, 1:]  # [B, N, depth]: each row's tree
             # What each row emitted (its accepted tokens and the bonus, cut at eos or the budget: the host's lists),
             # padded with -1 to the tree's depth.
-            width = paths.shape[1]
+            width = paths.shape[2]
             emitted = torch.tensor([(tokens + [-1] * width)[:width] for tokens in step.host.emitted],
                                    device=paths.device)
-            below = torch.arange(paths.shape[1], device=paths.device) < self.tree.depth[:, None]  # [N, depth]
-            agree = (self.node_tokens[:, paths] == emitted[:, None, :]) | ~below  # [B, N, depth]
+            below = torch.arange(width, device=paths.device) < self.tree.depth[:, :, None]  # [B, N, depth]
+            path_tokens = self.node_tokens.gather(1, paths.flatten(1)).view_as(paths)
+            agree = (path_tokens == emitted[:, None, :]) | ~below  # [B, N, depth]
             reached = (agree.all(-1) * self.tree.depth).amax(-1)  # [B]: the deepest node on the emitted path
             self.matched = self.matched + (reached * step.active).sum()
             self.foretold += self.foretold_now

@@ -40,7 +40,8 @@ def last_position(model: nn.Module, attention_mask: torch.Tensor, max_new_tokens
 
 
 def node_positions(next_pos: torch.Tensor, depth: torch.Tensor, max_position: int | None) -> torch.Tensor:
-    """Positions of a block's nodes: next_pos [B] + depth [N] -> [B, N], capped at max_position.
+    """Positions of a block's nodes: next_pos [B] + depth [N] (or each row's, [B, N]) -> [B, N], capped at
+    max_position.
 
     The cap only moves nodes past max_new_tokens (last_position checked that the prompt and the budget fit),
     whose tokens are never emitted; without it a model with a position table would index past its end.
@@ -63,7 +64,7 @@ class Slots:
 
     def verify_inputs(self, offsets: torch.Tensor,
                       valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append a block of N slots at next_pos + offsets [N] (a tree's depths; valid [B, N], default all)
+        """Append a block of N slots at next_pos + offsets [N] or [B, N] (a tree's depths; valid [B, N], default all)
         and return (q_pos [B, N], kv_valid [B, S + N], kv_pos [B, S + N]) for forward_block. Several calls
         may build one block (a draft model feeds its chain one token at a time) until commit."""
         q_pos = node_positions(self.next_pos, offsets, self.max_position)

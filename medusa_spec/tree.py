@@ -30,6 +30,9 @@ class Tree:
     parent      [N]     parent's node index (the root points at itself)
     tree_mask   [N, N]  tree_mask[i, j]: node j is node i or one of its ancestors
     node_paths  [N, D+1] node_paths[i, d]: node i's ancestor at depth d; past depth[i] it repeats i
+
+    A per-row tree (each row of a batch its own tree of N nodes: a dynamic tree chosen from each row's own draft
+    probabilities) has every field with a leading [B] dimension; readers take `rows()`.
     """
 
     depth: torch.Tensor
@@ -39,11 +42,18 @@ class Tree:
 
     @property
     def num_nodes(self) -> int:
-        return self.depth.numel()
+        return self.depth.shape[-1]
 
     @property
     def max_depth(self) -> int:
-        return len(self.node_paths[0]) - 1
+        return self.node_paths.shape[-1] - 1
+
+    def rows(self) -> Tree:
+        """The fields with a leading row dimension: a per-row tree's as they are, a tree every row shares as one
+        row, which broadcasts over a batch."""
+        if self.depth.dim() == 2:
+            return self
+        return Tree(self.depth[None], self.parent[None], self.tree_mask[None], self.node_paths[None])
 
     def to(self: TreeT, device: torch.device | str) -> TreeT:
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -185,11 +195,11 @@ class DynamicTree:
     """Eagle heads' tree chosen anew each step from their own confidence (EAGLE-2), in place of a fixed layout.
 
     Level by level, the `beam` candidates with the highest path probability (the product of the draft's probabilities
-    along the path; for a batch, summed over the rows still generating) take `top_k` children each, drafted by one
-    draft-layer pass over the beam; the step's tree is the best candidates by that probability (a child never scores
-    above its parent, so they form a tree). How many: `nodes` (root included), or with `step_ms` the size n <= nodes
-    with the most expected tokens per millisecond, step_ms[n - 1] being a step's cost with n nodes and the expected
-    tokens the rows' own ones plus the chosen candidates' probabilities, scaled by how well the probabilities have
+    along the path) take `top_k` children each, drafted by one draft-layer pass over the beam; the step's tree is the
+    best candidates by that probability (a child never scores above its parent, so they form a tree). In a batch each
+    row has its own beam and tree, of one size. How many nodes: `nodes` (root included), or with `step_ms` the size
+    n <= nodes with the most expected tokens per millisecond, step_ms[n - 1] being a step's cost with n nodes and the
+    expected tokens the rows' own ones plus their chosen candidates' probabilities, scaled by how well they have
     foretold the tokens the trees' nodes matched so far in the call (see propose.DynamicDraftLayerProposer).
     """
 

@@ -22,7 +22,7 @@ def attention_masks(spec: BaseSpec, kv_valid: torch.Tensor, kv_pos: torch.Tensor
                     block_mask: torch.Tensor, dtype: torch.dtype) -> Mask:
     """Masks for a block of N queries over L = S past + N new slots.
 
-    kv_valid [B, L] bool, kv_pos [B, L] long, q_pos [B, N] long, block_mask [N, N] bool
+    kv_valid [B, L] bool, kv_pos [B, L] long, q_pos [B, N] long, block_mask [N, N] or each row's [B, N, N] bool
     (query i may see new slot j). Returns one [B, 1, N, L] mask, or a dict by layer type when
     the model mixes full and sliding-window layers.
     """

@@ -24,10 +24,10 @@ from medusa_spec.lookup import (
     next_chain_length,
     tree_with_chain,
 )
-from medusa_spec.loop import decode
+from medusa_spec.loop import accepted_path, decode
 from medusa_spec.output import GenerationStats
 from medusa_spec.propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult, heads_proposer
-from medusa_spec.tree import build_tree, chain_tree
+from medusa_spec.tree import Tree, build_tree, chain_tree
 from test_bench import layers_move_the_clock
 from test_cli import model_dir  # noqa: F401 (fixture: a tiny model and tokenizer on disk)
 from test_eagle import eagle_heads
@@ -309,6 +309,34 @@ def test_equal_siblings_leave_only_one_reachable():
     assert node_tokens.tolist() == [[10, 11, 12, 13, 12, 20]] * 2
     assert candidates.tolist() == [[10, 11, UNREACHABLE, 13, 12, 20],      # a matched chain wins the tie
                                    [10, 11, 12, 13, UNREACHABLE, UNREACHABLE]]  # no match: the chain is out of reach
+
+
+def test_a_per_row_tree_is_read_as_each_row_alone():
+    """A batch whose rows have trees of different shapes (a per-row Tree, as dynamic trees give): acceptance, the
+    accepted path and the tree merged with a lookup chain are, row by row, what that row's own tree gives alone."""
+    trees = [build_tree([[0], [1], [0, 0], [0, 0, 0]]), build_tree([[0], [0, 0], [0, 0, 0], [0, 1]])]
+    per_row = Tree(*(torch.stack([getattr(tree, name) for tree in trees])
+                     for name in ("depth", "parent", "tree_mask", "node_paths")))
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, VOCAB, generator=generator)
+    targets = logits.argmax(-1)
+    # Each row's node tokens follow the base's targets down its tree (the first row's nodes 1 and 3, the second
+    # row's 1, 2 and 4), and each row's node 2 or 3 repeats its earlier sibling's token (out of reach).
+    t = targets.tolist()
+    tokens = torch.tensor([[5, t[0][0], t[0][0], t[0][1], 9],
+                           [5, t[1][0], t[1][1], t[1][1], t[1][2]]])
+    greedy = Sampling(do_sample=False)
+    last_node, accept_length, bonus = medusa_spec.accept.accept(tokens, logits, per_row, greedy)
+    path, new_tokens = accepted_path(Candidates(tokens, per_row), last_node, accept_length, bonus)
+    assert accept_length.tolist() == [2, 3] and last_node.tolist() == [3, 4]
+    for b, tree in enumerate(trees):
+        alone = medusa_spec.accept.accept(tokens[b: b + 1], logits[b: b + 1], tree, greedy)
+        assert [int(x) for x in alone] == [int(last_node[b]), int(accept_length[b]), int(bonus[b])]
+        path_alone, new_alone = accepted_path(Candidates(tokens[b: b + 1], tree), *alone)
+        assert torch.equal(path[b], path_alone[0]) and torch.equal(new_tokens[b], new_alone[0])
+        merged, merged_alone = tree_with_chain(per_row, 2), tree_with_chain(tree, 2)
+        for name in ("depth", "parent", "tree_mask", "node_paths"):
+            assert torch.equal(getattr(merged, name)[b], getattr(merged_alone, name)), name
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "gemma3"])
