@@ -407,18 +407,45 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
         return Candidates(self.node_tokens, self.tree)
 
     def complete(self, values: list[torch.Tensor], value: torch.Tensor) -> bool:
-        """Whether no candidate of a deeper level could enter any row's tree, so that drafting stops at this level
-        (`value`, the last of `values`, [B, m] each) with the trees and size that drafting every level would give:
-        a deeper candidate is worth at most its beam ancestor, at most this level's best for its row, and that is no
-        more than the row's `nodes - 1`-th best candidate so far (on a tie the earlier candidate ranks first), in
-        every row still going. Small trees whose shallow candidates outrank every deeper path then skip their deeper
-        draft passes. On a CPU only: the test reads a value on the host each level, which on a GPU is a sync that
-        costs more than the pass it may save."""
+        """Whether drafting can stop at this level (`value`, the last of `values`, [B, m] each) with the trees and
+        size that drafting every level would give. A deeper candidate is worth at most its beam ancestor, so at most
+        this level's best for its row; it cannot enter a row's tree when that is no more than the row's `nodes - 1`-th
+        best candidate so far (on a tie the earlier candidate ranks first), or, with step costs, when no size that
+        could hold it expects as many tokens per ms as the best size of the candidates that no deeper one can
+        outrank (size_settled). Rows that finished count for nothing. Small trees whose shallow candidates outrank
+        every deeper path then skip their deeper draft passes. On a CPU only: the test reads values on the host
+        each level, which on a GPU is a sync that costs more than the pass it may save."""
         nodes = self.dynamic.nodes
-        if value.device.type != "cpu" or nodes < 2 or sum(v.shape[1] for v in values) < nodes - 1:
+        if value.device.type != "cpu" or nodes < 2:
             return False
-        least = torch.cat(values, dim=1).topk(nodes - 1, dim=1).values[:, -1]
-        return bool(((value.amax(1) <= least) | (self.going == 0)).all())
+        so_far, level_best, done = torch.cat(values, dim=1), value.amax(1), self.going == 0
+        if so_far.shape[1] >= nodes - 1:
+            least = so_far.topk(nodes - 1, dim=1).values[:, -1]
+            if bool(((level_best <= least) | done).all()):
+                return True
+        return self.dynamic.step_ms is not None and self.size_settled(so_far, level_best, done)
+
+    def size_settled(self, so_far: torch.Tensor, level_best: torch.Tensor, done: torch.Tensor) -> bool:
+        """Whether the step's size is settled before the deeper levels are drafted: the ranks where every row's
+        candidate so far is at least its row's `level_best` (what any deeper candidate is worth at most) keep their
+        values whatever is drafted below, and the best size within them (size()'s rate, on those values) beats
+        every larger size even at the most the deeper candidates could add (each rank at most its value so far or
+        the row's level_best, the larger)."""
+        step_ms, going = self.dynamic.step_ms, self.going
+        most = min(self.dynamic.nodes, len(step_ms))
+        ordered = so_far.sort(dim=1, descending=True).values[:, : most - 1]
+        ordered = torch.cat([ordered, ordered.new_full((ordered.shape[0], most - 1 - ordered.shape[1]), -1.0)], dim=1)
+        kept = (ordered >= level_best[:, None]) | done[:, None]  # [B, most - 1]: ranks no deeper candidate changes
+        settled = int(kept.all(0).long().cumprod(0).sum())
+        exact = (ordered * going[:, None]).sum(0)  # size()'s values for the settled ranks
+        upper = (torch.maximum(ordered, level_best[:, None]) * going[:, None]).sum(0)
+        ranked = torch.cat([exact[:settled], upper[settled:]]).tolist()
+        scale = (float(self.matched) + CALIBRATION_PRIOR) / (self.foretold + CALIBRATION_PRIOR)
+        expected, rates = self.rows_going, [self.rows_going / step_ms[0]]
+        for n in range(2, most + 1):
+            expected += scale * ranked[n - 2]
+            rates.append(expected / step_ms[n - 1])
+        return max(rates[: settled + 1]) > max(rates[settled + 1:], default=float("-inf"))
 
     def size(self, ordered: list[float], matched: float) -> int:
         """The step's tree size, root included, for the candidates' probabilities `ordered` (best first, summed over

@@ -321,16 +321,23 @@ def test_eagle_batches_time_only_their_drafting_after_the_dynamic_trees(monkeypa
     assert all(static.verify[rows][n] == dynamic.verify[rows][n] for rows in (1, probe) for n in sizes)
 
 
-def test_drafting_stops_where_no_deeper_candidate_could_enter_the_tree(monkeypatch):
-    """A tree of 3 nodes from 4 levels of heads: drafting stops at the level past which no candidate could be chosen
-    (fewer draft-layer passes), and every step's tree is the one that drafting every level gives."""
+# Step costs under which these random heads' trees take 1 to 4 nodes and never 5 or more (a fifth node costs 4x).
+PRICED = DynamicTree(8, step_ms=(10.0, 10.2, 10.4, 10.6, 40.0, 60.0, 80.0, 100.0))
+
+
+@pytest.mark.parametrize(("tree", "rows"), [(DynamicTree(3), 1), (PRICED, 1), (PRICED, 2)])
+def test_drafting_stops_where_no_deeper_candidate_could_enter_the_tree(monkeypatch, tree, rows):
+    """4 levels of heads, a tree of 3 nodes or a priced tree of up to 8: drafting stops at the level past which no
+    candidate could be chosen or, priced, no larger size could pay (fewer draft-layer passes than the first test
+    alone gives), and every step's tree is the one that drafting every level gives, in each row of a batch too."""
     model = tiny_model("llama")
     mm = eagle_heads(model, num_heads=4)
-    ids = prompt(seed=6)[:, :10]
-    text = reference_generate(model, ids, max_new_tokens=24, eos_token_id=None)
+    texts = [prompt(seed=6)[0, :10], prompt(seed=7)[0, :6]][:rows]
+    ids, mask = left_padded(texts)
+    texts = [reference_generate(model, row[None], max_new_tokens=24, eos_token_id=None)[0, len(row):] for row in texts]
     propose, forward = DynamicDraftLayerProposer.propose, DraftLayer.forward
     runs = {}
-    for every_level in (False, True):
+    for stop in ("as it is", "nodes only", "never"):
         steps, passes = [], []
 
         def recording_propose(self, root):
@@ -340,16 +347,53 @@ def test_drafting_stops_where_no_deeper_candidate_could_enter_the_tree(monkeypat
 
         monkeypatch.setattr(DynamicDraftLayerProposer, "propose", recording_propose)
         monkeypatch.setattr(DraftLayer, "forward", lambda *args, **kwargs: passes.append(1) or forward(*args, **kwargs))
-        if every_level:
+        if stop == "never":
             monkeypatch.setattr(DynamicDraftLayerProposer, "complete", lambda self, values, value: False)
-        out = mm.generate(ids, max_new_tokens=24, eos_token_id=[], tree=DynamicTree(3))
-        assert torch.equal(out.sequences, text)
-        runs[every_level] = steps, len(passes)
+        if stop == "nodes only":
+            monkeypatch.setattr(DynamicDraftLayerProposer, "size_settled", lambda *args: False)
+        out = mm.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[], tree=tree)
+        assert all(torch.equal(out.sequences[b, ids.shape[1]:], text) for b, text in enumerate(texts))
+        runs[stop] = steps, len(passes), out.stats.tree_sizes
         monkeypatch.undo()
-    (stopped, stopped_passes), (full, full_passes) = runs[False], runs[True]
+    (stopped, stopped_passes, sizes), (full, full_passes, _) = runs["as it is"], runs["never"]
     assert len(stopped) == len(full)
     assert all(torch.equal(a, b) for step, other in zip(stopped, full) for a, b in zip(step, other))
     assert stopped_passes < full_passes
+    if tree.step_ms is not None:
+        assert len(set(sizes)) > 2 and max(sizes) < 5  # sizes chosen, below the costly ones
+        assert stopped_passes < runs["nodes only"][1]
+
+
+def test_a_settled_size_is_what_any_deeper_candidates_would_give():
+    """size_settled against brute force: two rows, two levels drafted, then random deeper candidates, each worth at
+    most its row's best at the last level. Where the size is settled, the size and each row's chosen candidates
+    with the deeper ones are those without them."""
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=3)
+    ids, mask = left_padded([prompt(seed=4)[0, :9], prompt(seed=5)[0, :6]])
+    # A millisecond a node: whether a node pays depends on its probability.
+    proposer, _ = started(mm, ids, mask.bool(), torch.tensor([1, 2]),
+                          DynamicTree(8, step_ms=tuple(10.0 + n for n in range(8))))
+    proposer.matched, proposer.foretold = torch.tensor(6.0), 9.0
+    generator = torch.Generator().manual_seed(0)
+
+    def choice(values):
+        order = torch.sort(values, dim=1, descending=True, stable=True)
+        n = proposer.size(order.values.sum(0).tolist(), float(proposer.matched))
+        return n, [set(row) for row in order.indices[:, : n - 1].tolist()]
+
+    settled = 0
+    for _ in range(400):
+        levels = [torch.rand(2, 4, generator=generator) ** 3 for _ in range(2)]
+        levels[1] = torch.minimum(levels[1], levels[0].amax(1, keepdim=True))  # below a parent of the level above
+        so_far, level_best = torch.cat(levels, dim=1), levels[1].amax(1)
+        if not proposer.size_settled(so_far, level_best, torch.zeros(2, dtype=torch.bool)):
+            continue
+        settled += 1
+        for low in (0.0, 0.9, 0.99):  # deeper candidates anywhere below the bound, then close to it
+            deeper = (low + (1 - low) * torch.rand(2, 8, generator=generator)) * level_best[:, None]
+            assert choice(torch.cat([so_far, deeper], dim=1)) == choice(so_far)
+    assert 5 < settled < 395  # both answers came up
 
 
 def test_compiled_dynamic_trees_price_each_block_plus_one_drafting_figure(monkeypatch):
