@@ -19,7 +19,7 @@ from .columnwise import PackedWeights, columnwise_copy
 from .compiled import CompiledSteps, DraftGraphs, adopt, block_size
 from .kv_cache import new_cache
 from .output import GenerationStats
-from .propose import Candidates, HostStep, Prompt, Proposer, RootOnly, StepResult, heads_proposer
+from .propose import Candidates, DraftLayerProposer, HostStep, Prompt, Proposer, RootOnly, StepResult, heads_proposer
 from .slots import prefill
 from .tree import DynamicTree, MedusaTree, build_tree, chain_tree, default_tree, grow_tree
 
@@ -158,6 +158,25 @@ def measure_compiled_verify(mm, compiled: CompiledSteps, sizes: tuple[int, ...],
     for n in sizes:
         verify(n)  # compiles the graph of this shape, where it is new
     return _fastest_seconds({n: partial(verify, n) for n in sizes}, repeats, device)
+
+
+@torch.inference_mode()
+def compile_draft_updates(mm, graphs: DraftGraphs, sizes: tuple[int, ...], batch: int = 1,
+                          context: int = AUTO_CONTEXT) -> None:
+    """Compile eagle heads' draft graphs (prepared) for the update pass after a step that accepts a path of n slots,
+    root included, for each n in sizes, `batch` rows: a lookup chain's paths run deeper than the heads' tree, and
+    their update passes are padded to block sizes of their own (propose.DraftLayerProposer.update)."""
+    spec, layers = mm.spec, mm.heads.feature_layers
+    device, dtype = model_device_dtype(mm.base_model)
+    # Any tokens and states: only the shapes count (a generator of its own, as measure_step_costs).
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec.vocab_size, (batch, context), generator=generator).to(device)
+    hidden = torch.randn(batch, context, spec.hidden_size * (1 + len(layers)), generator=generator).to(device, dtype)
+    proposer = DraftLayerProposer(mm.base_model, mm.heads, chain_tree(0), graphs)
+    proposer.start(Prompt(ids, torch.ones_like(ids, dtype=torch.bool), hidden, ids[:, -1], None))
+    for n in sizes:
+        chain = Candidates(ids[:, -n:], chain_tree(n - 1).to(device))
+        copy.copy(proposer).update(deepest_step(chain, hidden[:, -n:], ids[:, -1]))  # the started one kept as it is
 
 
 def compiled_dynamic_tree(mm, compiled: CompiledSteps, draft_seconds: dict[int, float] | None = None,

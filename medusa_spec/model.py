@@ -203,9 +203,14 @@ class MedusaModel(nn.Module):
 
     def compile_blocks(self, sizes: Sequence[int], batch: int = 1) -> None:
         """Compile generate(compile=True)'s graphs for blocks of `sizes` nodes (each padded to compiled.block_size)
-        and `batch` rows now, not at the first step that meets them: a benchmark or a server warms up with it."""
-        self._compiled.prepare(self.base_model, self.spec, tuple(getattr(self.heads, "feature_layers", ())))
+        and `batch` rows now, not at the first step that meets them: a benchmark or a server warms up with it. For
+        eagle heads also their draft layer's update pass after a step that accepts a path of that many slots (a
+        lookup chain's)."""
+        self._compiled.prepare(self.base_model, self.spec, tuple(getattr(self.heads, "feature_layers", ())),
+                               self.heads, self._packed_weights)
         autotree.measure_compiled_verify(self, self._compiled, tuple(sizes), batch)
+        if getattr(self.heads, "draft_layer", None) is not None:
+            autotree.compile_draft_updates(self, self._compiled.draft, tuple(sizes), batch)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,

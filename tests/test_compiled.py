@@ -129,6 +129,24 @@ def test_compiled_drafting_drafts_what_eager_drafting_drafts(head_type, monkeypa
             assert torch.equal(out.sequences, texts[1])
 
 
+def test_compile_blocks_also_compiles_the_draft_updates_of_a_lookup_chains_paths(monkeypatch):
+    """bench warms up with compile_blocks for the blocks a lookup chain adds: with eagle heads the draft layer's
+    update pass after a step that accepted a chain longer than the heads' tree (padded to its block size) is
+    compiled there too, not inside a timed call (where a compile once took 29 s of one prompt's)."""
+    monkeypatch.setattr(compiled, "BLOCK_SIZES", (1, 8, 64))  # fewer graphs to compile
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=2, seed=3)
+    text = reference_generate(model, prompt(seed=8)[:, :10], max_new_tokens=30, eos_token_id=None)
+    tree = [[0], [0, 0]]  # depth 2: an update pass of 3 slots, and of a block of 8 after a longer path
+    mm.generate(text[:, :10], max_new_tokens=4, eos_token_id=[], tree=tree, compile=True)  # bench's warm-up call
+    mm.compile_blocks([8])
+    with torch.compiler.set_stance("fail_on_recompile"):  # a compile would raise
+        out = mm.generate(text[:, :10], max_new_tokens=20, eos_token_id=[], tree=tree, lookup_tokens=4,
+                          documents=[text[0, 10:].tolist()], compile=True)  # the chain: the text itself
+    assert torch.equal(out.sequences, text[:, :30])
+    assert sum(out.stats.accepted_at_depth[2:]) > 0  # a path of 4+ slots: an update pass of the 8-slot block
+
+
 @pytest.mark.parametrize("sampling", SETTINGS[1:3], ids=str)
 def test_compiled_sampling_draws_what_eager_sampling_draws(sampling):
     """Same seed, same draws: the compiled pass gives the eager pass's distribution (to rounding), and the loop's
