@@ -164,8 +164,9 @@ def measure_compiled_verify(mm, compiled: CompiledSteps, sizes: tuple[int, ...],
 def compile_draft_updates(mm, graphs: DraftGraphs, sizes: tuple[int, ...], batch: int = 1,
                           context: int = AUTO_CONTEXT) -> None:
     """Compile eagle heads' draft graphs (prepared) for the update pass after a step that accepts a path of n slots,
-    root included, for each n in sizes, `batch` rows: a lookup chain's paths run deeper than the heads' tree, and
-    their update passes are padded to block sizes of their own (propose.DraftLayerProposer.update)."""
+    root included, for each n in sizes, `batch` rows: a lookup chain's paths run deeper than the heads' tree, and an
+    update pass after a path longer than the tree is padded to the path's block size (DraftLayerProposer.update; the
+    proposer here drafts no tree, so every path is such a one)."""
     spec, layers = mm.spec, mm.heads.feature_layers
     device, dtype = model_device_dtype(mm.base_model)
     # Any tokens and states: only the shapes count (a generator of its own, as measure_step_costs).
@@ -174,7 +175,7 @@ def compile_draft_updates(mm, graphs: DraftGraphs, sizes: tuple[int, ...], batch
     hidden = torch.randn(batch, context, spec.hidden_size * (1 + len(layers)), generator=generator).to(device, dtype)
     proposer = DraftLayerProposer(mm.base_model, mm.heads, chain_tree(0), graphs)
     proposer.start(Prompt(ids, torch.ones_like(ids, dtype=torch.bool), hidden, ids[:, -1], None))
-    for n in sizes:
+    for n in (n for n in sizes if n > 1):  # a drafting tree is at least 1 deep: its update passes at least 2 wide
         chain = Candidates(ids[:, -n:], chain_tree(n - 1).to(device))
         copy.copy(proposer).update(deepest_step(chain, hidden[:, -n:], ids[:, -1]))  # the started one kept as it is
 
