@@ -29,24 +29,25 @@ from tqdm.auto import tqdm
 
 from .autotree import COMPILED_TREE_NODES
 from .compiled import block_size
+from .dflash_propose import generate_with_dflash
 from .draft import generate_with_draft, self_draft
 from .lookup import LOOKUP_TOKENS
 from .loop import StepTimer
 from .prompts import parse_prompt_spec, read_prompts
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_sample", "llama_cpp", "medusa_off", "medusa_greedy", "medusa_sample",
-           "medusa_lookup", "lookup", "self_draft", "draft_model")
-DRAFT_METHODS = ("self_draft", "draft_model")
-# Every method that needs nothing beyond this package and the model: draft_model needs a second model, llama_cpp an
-# optional package and a GGUF file (the command line adds each where it can run).
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("draft_model", "llama_cpp"))
+           "medusa_lookup", "lookup", "self_draft", "draft_model", "dflash")
+DRAFT_METHODS = ("self_draft", "draft_model", "dflash")  # dflash: a DFlash draft (load_dflash), generate_with_dflash
+# Every method that needs nothing beyond this package and the model: draft_model needs a second model, dflash a DFlash
+# draft, llama_cpp an optional package and a GGUF file (the command line adds each where it can run).
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("draft_model", "dflash", "llama_cpp"))
 GREEDY = ("hf_prompt_lookup", "llama_cpp", "medusa_off", "medusa_greedy", "medusa_lookup", "lookup", "self_draft",
-          "draft_model")
+          "draft_model", "dflash")
 REFERENCE = "hf_greedy"
 # Speculation off: this library's loop and kernels with the root-only tree. The greedy methods that speculate through
 # the same loop are also given their rate over it, the part of their speed-up that speculation earns.
 SPECULATION_OFF = "medusa_off"
-SPECULATING = ("medusa_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model")
+SPECULATING = ("medusa_greedy", "medusa_lookup", "lookup", "self_draft", "draft_model", "dflash")
 # Sampled methods draw as transformers' generate does with these settings (the rest from the model's generation
 # config, as generate reads it), and their speed-up is over transformers sampling so: top-p sorts the vocabulary at
 # every token, a cost a greedy reference would not pay.
@@ -155,7 +156,9 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
         return {"new_tokens": new, "seconds": seconds, "steps": new if method in (REFERENCE, "hf_sample") else None,
                 "sequence": sequence.cpu()}
     timer = StepTimer()
-    if method in DRAFT_METHODS:
+    if method == "dflash":  # eager: only the MedusaModel's methods have compiled graphs
+        out = generate_with_dflash(base, drafts[method], input_ids, mask, max_new_tokens=max_new_tokens, timer=timer)
+    elif method in DRAFT_METHODS:
         out = generate_with_draft(base, drafts[method], input_ids, mask, max_new_tokens=max_new_tokens, timer=timer)
     else:
         # lookup is the chain alone: the root-only tree (tree=[]) with the chain, as generate_with_lookup(base).
@@ -176,15 +179,18 @@ def run_method(method: str, mm, input_ids: torch.Tensor, max_new_tokens: int, tr
     return record
 
 
-def draft_models(base_model, methods, self_draft_layers: int | None = None, draft_model=None) -> dict:
+def draft_models(base_model, methods, self_draft_layers: int | None = None, draft_model=None, dflash=None) -> dict:
     """{method: draft model} for the draft methods among `methods`: the base model's first `self_draft_layers`
-    layers (default: half of them) for self_draft, `draft_model` (if given) for draft_model."""
+    layers (default: half of them) for self_draft, `draft_model` (if given) for draft_model, `dflash` (a DFlash draft,
+    if given) for dflash."""
     drafts = {}
     if "self_draft" in methods:
         layers = self_draft_layers or max(1, base_model.config.get_text_config().num_hidden_layers // 2)
         drafts["self_draft"] = self_draft(base_model, layers)
     if "draft_model" in methods and draft_model is not None:
         drafts["draft_model"] = draft_model
+    if "dflash" in methods and dflash is not None:
+        drafts["dflash"] = dflash
     return drafts
 
 
@@ -199,7 +205,7 @@ def bench(mm, tokenizer, prompts: list[tuple[str, str]], max_new_tokens: int = 2
     missing = [m for m in methods if m in DRAFT_METHODS and m not in (drafts or {})]
     if missing:
         raise ValueError(f"{', '.join(missing)} needs a draft model: pass drafts (bench.draft_models) or, on the "
-                         f"command line, --draft-model DIR for draft_model")
+                         f"command line, --draft-model DIR for draft_model and --dflash DIR for dflash")
     if "llama_cpp" in methods and (why := llama_cpp_missing(gguf)):
         raise ValueError(f"llama_cpp cannot run: {why}")
     torch.manual_seed(seed)

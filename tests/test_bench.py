@@ -383,3 +383,26 @@ def test_paths_are_shown_relative_or_by_name(tmp_path, monkeypatch):
     assert bench.shown_path(bench.MT_BENCH) == "medusa_spec/data/mt_bench_question.jsonl"  # beside the package
     assert bench.shown_path("/somewhere/else/heads") == "heads"  # else its name alone
     assert bench.shown_prompt_spec(f"{tmp_path}/data/p.jsonl:3") == "data/p.jsonl:3"
+
+
+def test_a_dflash_draft_is_timed_as_the_dflash_method_beside_speculation_off(tmp_path, capsys):
+    """bench --dflash DIR adds the dflash method (generate_with_dflash on that draft): greedy, so its output is checked
+    against transformers', and it is given its rate over medusa_off; the report names the folder as given."""
+    from medusa_spec.dflash import new_dflash, save_dflash
+
+    model = save_tiny_model(tmp_path / "model")
+    base = tiny_model("llama")
+    save_dflash(new_dflash(base, num_layers=1, block_size=4, aux_layer_ids=[0, 1], mask_token_id=3), tmp_path / "df")
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i}"}) for i in range(5, 8)))
+    out = tmp_path / "report"
+    assert main(["bench", "--model", str(model), "--dflash", str(tmp_path / "df"), "--prompts", str(prompts),
+                 "--methods", "hf_greedy", "medusa_off", "dflash", "--max-new-tokens", "8", "--output", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["meta"]["dflash"] == "df" and report["meta"]["methods"] == ["hf_greedy", "medusa_off", "dflash"]
+    records = [r for r in report["records"] if r["method"] == "dflash"]
+    assert len(records) == 3 and all(r["equal_to_reference"] for r in records)
+    assert sum(r["timed_steps"] for r in records) > 0
+    assert "over_medusa_off" in report["summary"]["overall"]["dflash"]
+    assert main(["bench", "--model", str(model), "--methods", "dflash", "--output", str(tmp_path / "again")]) == 2
+    assert "the dflash method needs --dflash DIR" in capsys.readouterr().err

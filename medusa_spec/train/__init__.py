@@ -2,8 +2,9 @@
 accuracy and tree calibration (evaluate). Commands: medusa-spec distill / train / tree."""
 
 from .config import TrainConfig
+from .dflash_loop import train_dflash
 from .distill import DistillConfig, distill
 from .evaluate import calibrate_tree
 from .loop import train
 
-__all__ = ["DistillConfig", "TrainConfig", "calibrate_tree", "distill", "train"]
+__all__ = ["DistillConfig", "TrainConfig", "calibrate_tree", "distill", "train", "train_dflash"]

@@ -16,6 +16,7 @@ from ..model import MedusaModel
 from ..prompts import read_prompt_files
 from .config import TrainConfig
 from .data import make_rows, read_conversations, tokenize_conversations
+from .dflash_loop import train_dflash
 from .distill import DistillConfig, distill
 from .evaluate import calibrate_tree, evaluate
 from .load import load_model_and_tokenizer
@@ -41,7 +42,8 @@ def run_distill(args) -> int:
 
 
 def run_train(args) -> int:
-    train(resolve(TrainConfig, args, "train"))  # logs as it goes, and where it saved the adapter
+    cfg = resolve(TrainConfig, args, "train")
+    (train_dflash if cfg.head_type == "dflash" else train)(cfg)  # logs as it goes, and where it saved the result
     return 0
 
 

@@ -32,7 +32,18 @@ class TrainConfig:
                                         "draft layer (one decoder layer with its own cache) drafts level by level on "
                                         "its own outputs, trained unrolled as it drafts; eagle3: EAGLE-3 as vLLM's "
                                         "speculators defines it (vLLM and SGLang serve it: convert --to "
-                                        "speculators), trained so too", choices=HEAD_TYPES)
+                                        "speculators), trained so too; dflash: a DFlash block drafter as speculators "
+                                        "defines and trains it (one pass drafts a whole block; --block-size, "
+                                        "--num-layers its layers, --feature-layers its auxiliary layers), saved as a "
+                                        "speculators folder", choices=(*HEAD_TYPES, "dflash"))
+    block_size: int = option(8, "dflash: a block's slots, the anchor (the step's verified token) and block_size - 1 "
+                             "drafted tokens, as speculators' --block-size")
+    max_anchors: int = option(512, "dflash: blocks trained per row, their anchors drawn at random among the row's "
+                              "answer tokens (speculators' --max-anchors); fewer cost less memory and time")
+    dflash_decay_gamma: float = option(4.0, "dflash: slot k's loss weight exp(-(k - 1) / gamma), as speculators' "
+                                       "--dflash-decay-gamma")
+    mask_token_id: int | None = option(None, "dflash: the token a block's slots after its anchor hold (speculators' "
+                                       "--mask-token-id); default: the tokenizer's mask, unk or pad token")
     context_heads: int | None = head_option(0, "attention heads of a context layer the heads read through "
                                             "(attention over the text so far, with each position's next token; "
                                             "e.g. hidden_size / 64); 0: none")
@@ -153,6 +164,32 @@ class TrainConfig:
                 and not self.context_heads and self.init_heads is None):
             raise ValueError("--num-layers 0 leaves heads that share the LM head nothing to train: give them a block "
                              "(--num-layers 1) or their own projection (--no-share-lm-head)")
+        dflash_flags = [f"--{name.replace('_', '-')}" for name in ("block_size", "max_anchors", "dflash_decay_gamma",
+                                                                   "mask_token_id")
+                        if getattr(self, name) != type(self).__dataclass_fields__[name].default]
+        if dflash_flags and self.head_type != "dflash":
+            raise ValueError(f"{', '.join(dflash_flags)} shape a DFlash draft's training: add --head-type dflash, or "
+                             f"drop them")
+        if self.head_type == "dflash":
+            self._check_dflash()
         if self.draft_layer_mlp is not None and (self.head_type not in ("eagle", None) or self.draft_layer_mlp < 1):
             raise ValueError(f"--draft-layer-mlp sets the width of eagle heads' draft layer: use it with --head-type "
                              f"eagle and a width >= 1, got {self.draft_layer_mlp} with --head-type {self.head_type}")
+
+    def _check_dflash(self) -> None:
+        """A DFlash draft trains from scratch on a frozen base, as speculators trains one."""
+        refused = {"--mode medusa2": self.mode == "medusa2", "--init-heads": self.init_heads is not None,
+                   "--cache-hidden": self.cache_hidden, "--context-heads": bool(self.context_heads),
+                   "--draft-layer-mlp": self.draft_layer_mlp is not None, "--replay": bool(self.replay)}
+        given = [flag for flag, set_ in refused.items() if set_]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not for --head-type dflash, which trains a new DFlash draft on a "
+                             f"frozen base; drop them")
+        if self.block_size < 2 or self.max_anchors < 1 or self.num_layers < 1:
+            raise ValueError(f"--head-type dflash needs --block-size >= 2 (the anchor and a drafted slot), "
+                             f"--max-anchors >= 1 and --num-layers >= 1; got {self.block_size}, {self.max_anchors} "
+                             f"and {self.num_layers}")
+        if not 0 < self.dflash_decay_gamma < math.inf:
+            raise ValueError(f"--dflash-decay-gamma must be a number > 0, got {self.dflash_decay_gamma}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"--mask-token-id must be a token id >= 0, got {self.mask_token_id}")

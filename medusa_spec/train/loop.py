@@ -26,6 +26,7 @@ from ..base import inspect_base_model
 from ..config import CONFIG_NAME, MedusaConfig
 from ..eagle import draft_layer_shape
 from ..folders import check_output_folder
+from ..formats import HF_CONFIG
 from ..io import LORA_DIR, check_lora_folder
 from ..model import MedusaModel
 from .checkpoint import (
@@ -47,8 +48,28 @@ from .module import Outputs, TrainModule
 from .store import recorded_model, recorded_model_differences
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train, checkpoint, evaluate, and save the adapter into cfg.output; returns a summary."""
+@dataclasses.dataclass
+class Run:
+    """What every training run sets up before its model trains: prepare_run's result."""
+
+    cfg: TrainConfig  # --model resolved
+    accelerator: Accelerator
+    output_dir: Path
+    checkpoint: Path | None  # the latest checkpoint in output_dir, to resume from
+    base_model: torch.nn.Module
+    dtype: torch.dtype  # the base model's, as loaded (mixed precision's)
+    tokenizer: object
+    spec: object  # base.inspect_base_model's
+    base_name: str | None  # the Hub name a new adapter records for its base, where the base is the default model
+    train_rows: list
+    eval_rows: list
+    replayed: list
+    max_steps: int
+
+
+def prepare_run(cfg: TrainConfig) -> Run:
+    """The accelerator, the output folder checked, the data read and checked against the base model, which is loaded,
+    and the rows; every check that can fail does so here, before anything trains."""
     # New heads name their base model as the Hub does where it is the default model: transformers names a loaded model
     # by its folder, here a local cache path that would mean nothing on another machine.
     base_name = default_model.HUB_NAME if cfg.model is None else None
@@ -66,9 +87,10 @@ def train(cfg: TrainConfig) -> dict:
     if checkpoint is not None and not cfg.resume:
         raise ValueError(f"{output_dir} already holds checkpoints ({checkpoint.name}); pass --resume to continue "
                          f"that run, or choose a new --output")
-    if checkpoint is None and (output_dir / CONFIG_NAME).exists():  # a finished run's heads, nothing to resume
-        raise ValueError(f"{output_dir} already holds trained heads ({CONFIG_NAME}), which this run would replace; "
-                         f"choose a new --output (--init-heads {output_dir} trains those heads on)")
+    finished = [name for name in (CONFIG_NAME, HF_CONFIG) if (output_dir / name).exists()]
+    if checkpoint is None and finished:  # a finished run's heads or draft, nothing to resume
+        raise ValueError(f"{output_dir} already holds trained heads or a draft ({finished[0]}), which this run would "
+                         f"replace; choose a new --output (--init-heads {output_dir} trains heads on)")
     check_lora_folder(output_dir)  # the adapter is saved there at the end: refuse a lora/ it would delete now
     hidden_dir = output_dir / "hidden_cache"
     if cfg.cache_hidden and hidden_dir.exists() and not hidden_dir.is_dir():
@@ -97,17 +119,32 @@ def train(cfg: TrainConfig) -> dict:
                              f"for the model that wrote them (--model), or distill this one's")
     spec = inspect_base_model(base_model)
     train_rows, eval_rows = build_rows(tokenizer, conversations, cfg, replayed)
-    # What the initial heads learned from, to list beside this run's (read now: a bad record fails before training,
-    # not after).
-    learned_before = set()
-    if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
-        learned_before = read_trained_on(Path(cfg.init_heads) / TRAINED_ON, "--init-heads")
     output_dir.mkdir(parents=True, exist_ok=True)
     per_epoch = len(train_rows) // (cfg.batch_size * accelerator.num_processes)
     if per_epoch == 0:
         raise ValueError(f"only {len(train_rows)} training rows, fewer than one batch ({cfg.batch_size} rows x "
                          f"{accelerator.num_processes} processes); lower --batch-size or distill more")
     max_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+    return Run(cfg, accelerator, output_dir, checkpoint, base_model, dtype, tokenizer, spec, base_name, train_rows,
+               eval_rows, replayed, max_steps)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train, checkpoint, evaluate, and save the adapter into cfg.output; returns a summary."""
+    if cfg.head_type == "dflash":
+        raise ValueError("a DFlash draft is no heads: train it with medusa_spec.train.train_dflash(cfg) (medusa-spec "
+                         "train --head-type dflash does)")
+    run = prepare_run(cfg)
+    cfg, accelerator, output_dir, checkpoint = run.cfg, run.accelerator, run.output_dir, run.checkpoint
+    base_model, tokenizer, spec, base_name = run.base_model, run.tokenizer, run.spec, run.base_name
+    train_rows, eval_rows, replayed, max_steps = run.train_rows, run.eval_rows, run.replayed, run.max_steps
+    medusa2 = cfg.mode == "medusa2"
+    hidden_dir, dtype = output_dir / "hidden_cache", run.dtype
+    # What the initial heads learned from, to list beside this run's (read now: a bad record fails before training,
+    # not after).
+    learned_before = set()
+    if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
+        learned_before = read_trained_on(Path(cfg.init_heads) / TRAINED_ON, "--init-heads")
 
     # 2. Heads (+ LoRA), optimizer with one learning rate per group, schedule.
     if cfg.init_heads is not None:

@@ -95,15 +95,20 @@ class TrainModule(nn.Module):
                               if soft_targets else None)
         return Outputs(head_states, hidden, logits, teacher, loss)
 
-    @torch.no_grad()
     def base_logits_for_heads(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The base's next-token logits from its final hidden states [..., H], over the heads' vocabulary
-        (only the token map's rows of the LM head when the vocabulary is reduced)."""
-        lm_head = self.base_model.get_output_embeddings()
-        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-        if self.heads.token_map is not None:
-            rows = self.heads.token_map.to(weight.device)
-            weight, bias = weight[rows], None if bias is None else bias[rows]
-        logits = nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
-        cap = getattr(self.base_model.config, "final_logit_softcapping", None)  # Gemma 2 style
-        return logits if not cap else cap * torch.tanh(logits / cap)
+        """The base's next-token logits from its final hidden states [..., H] over the heads' vocabulary."""
+        return base_logits_over(self.base_model, hidden, self.heads.token_map)
+
+
+@torch.no_grad()
+def base_logits_over(base_model: nn.Module, hidden: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
+    """The base's next-token logits (fp32) from its final hidden states [..., H], over a draft vocabulary: only the
+    token map's rows of the LM head when it is reduced (`token_map`: draft index -> token id), else all."""
+    lm_head = base_model.get_output_embeddings()
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    if token_map is not None:
+        rows = token_map.to(weight.device)
+        weight, bias = weight[rows], None if bias is None else bias[rows]
+    logits = nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+    cap = getattr(base_model.config, "final_logit_softcapping", None)  # Gemma 2 style
+    return logits if not cap else cap * torch.tanh(logits / cap)
