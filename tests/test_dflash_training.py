@@ -19,6 +19,7 @@ from medusa_spec.dflash import block_logits, new_dflash, read_config, save_dflas
 from medusa_spec.train import TrainConfig, dflash_loop, train_dflash
 from medusa_spec.train.dflash_loop import DFlashTrainModule, select_anchors, slot_weights
 from medusa_spec.train.load import load_model_and_tokenizer
+from medusa_spec.tree import grow_tree
 from test_training import ANSWER, Killed, ask, base_dir, conversations, one_thread  # noqa: F401 (fixtures)
 from tiny_models import tiny_model
 
@@ -116,7 +117,7 @@ def test_the_loss_is_speculators_training_loss_on_its_own_draft(name):
                          row["valid"], TRAINING["gamma"])
     case = TRAINING["cases"][name]
     torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-5, atol=1e-6)
-    assert stats.hits[1:].tolist() == case["slot_hits"] and stats.counted[1:].tolist() == case["slot_counted"]
+    assert stats.hits[1:, 0].tolist() == case["slot_hits"] and stats.counted[1:].tolist() == case["slot_counted"]
     assert stats.accepted.item() == case["eal_sum"] and stats.blocks.item() == case["eal_total"]
 
 
@@ -152,6 +153,12 @@ def test_a_trained_draft_learns_to_count_and_decodes_the_base_models_output(base
         expected = base.generate(ids, do_sample=False, max_new_tokens=ANSWER)
     assert torch.equal(out.sequences, expected)
     assert out.stats.new_tokens[0] >= 2 * out.stats.row_steps[0]  # 1 without the draft: its blocks are accepted
+    # Each slot's rank accuracies (rank 0 its top-1), from which a tree grows as for Medusa heads: lossless too.
+    accuracy = summary["eval"]["rank_accuracy"]
+    assert [row[0] for row in accuracy] == summary["eval"]["slot_top1"] and len(accuracy[0]) == 10
+    assert all(sum(row) <= 1 + 1e-6 for row in accuracy)
+    grown = generate_with_dflash(base, draft, ids, max_new_tokens=ANSWER, tree=grow_tree(accuracy, 6))
+    assert torch.equal(grown.sequences, expected)
 
 
 def test_resume_after_a_kill_reaches_the_draft_of_an_uninterrupted_run(base_dir, conversations,  # noqa: F811

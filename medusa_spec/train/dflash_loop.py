@@ -57,11 +57,13 @@ LOSS_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
 
 
 class BlockStats(NamedTuple):
-    """A batch's slots, for logs and evaluation: per slot, hits (the draft's argmax is the base's) and slots counted;
-    over blocks whose first drafted slot counts, the sum of their accepted lengths (1 + the leading hits: the tokens a
-    step verifying the block's argmax chain would emit) and their number."""
+    """A batch's slots, for logs and evaluation: per slot and rank r, hits (the draft's rank-r token is the base's
+    argmax) and per slot the slots counted; over blocks whose first drafted slot counts, the sum of their accepted
+    lengths (1 + the leading rank-0 hits: the tokens a step verifying the block's argmax chain would emit) and their
+    number. Per-slot rank accuracies are what tree.grow_tree builds a tree from, as for Medusa heads: a slot drafts a
+    depth without seeing the tokens drafted above it."""
 
-    hits: torch.Tensor     # [block_size]
+    hits: torch.Tensor     # [block_size, ranks]
     counted: torch.Tensor  # [block_size]
     accepted: torch.Tensor  # []
     blocks: torch.Tensor   # []
@@ -101,9 +103,9 @@ class DFlashTrainModule(nn.Module):
         self.takes_logits_to_keep = takes_logits_to_keep
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor,
-                loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                gamma: float) -> tuple[torch.Tensor, BlockStats]:
-        """A packed batch [B, T] (data.collate's) and its anchors [B, A] -> (loss, stats)."""
+                loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, gamma: float,
+                ranks: int = 1) -> tuple[torch.Tensor, BlockStats]:
+        """A packed batch [B, T] (data.collate's) and its anchors [B, A] -> (loss, stats with `ranks` ranks)."""
         draft, config = self.draft, self.draft.config
         size = config.block_size
         with torch.no_grad():
@@ -147,18 +149,19 @@ class DFlashTrainModule(nn.Module):
         counted_f = counted.float()
         loss = ((kl * counted_f * weight).flatten(1).sum(1) / (counted_f.flatten(1).sum(1) + LOSS_EPS)).mean()
         with torch.no_grad():
-            hit = (logits.argmax(-1) == targets.argmax(-1)).view(rows, count, size) & counted
+            ranked = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices  # [B, A * S, ranks]
+            hit = (ranked == targets.argmax(-1, keepdim=True)).view(rows, count, size, -1) & counted[..., None]
             first = config.drafted_slots.start
-            run = hit[:, :, first:].long().cumprod(-1).sum(-1)  # leading hits of each block
+            run = hit[:, :, first:, 0].long().cumprod(-1).sum(-1)  # leading hits of each block
             scored = counted[:, :, first]
             stats = BlockStats(hit.sum((0, 1)), counted.sum((0, 1)), (run + 1)[scored].sum(), scored.sum())
         return loss, stats
 
 
-def new_stats(size: int, device: torch.device) -> BlockStats:
-    zeros = torch.zeros(size, dtype=torch.long, device=device)
-    return BlockStats(zeros, zeros.clone(), torch.zeros((), dtype=torch.long, device=device),
-                      torch.zeros((), dtype=torch.long, device=device))
+def new_stats(size: int, ranks: int, device: torch.device) -> BlockStats:
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return BlockStats(torch.zeros(size, ranks, dtype=torch.long, device=device),
+                      torch.zeros(size, dtype=torch.long, device=device), zero, zero.clone())
 
 
 def add_stats(total: BlockStats, more: BlockStats) -> BlockStats:
@@ -166,29 +169,33 @@ def add_stats(total: BlockStats, more: BlockStats) -> BlockStats:
 
 
 def stats_summary(stats: BlockStats, first: int) -> dict:
-    """Per drafted slot top-1 (the draft's argmax is the base's) and the blocks' mean accepted length."""
+    """Per drafted slot top-1 (the draft's argmax is the base's), with more ranks each slot's rank accuracies, and
+    the blocks' mean accepted length."""
     hits, counted = stats.hits.tolist()[first:], stats.counted.tolist()[first:]
-    return {"slot_top1": [round(h / max(c, 1), 4) for h, c in zip(hits, counted)],
-            "accepted_length": round(int(stats.accepted) / max(int(stats.blocks), 1), 4),
-            "blocks": int(stats.blocks)}
+    accuracy = [[round(h / max(c, 1), 4) for h in row] for row, c in zip(hits, counted)]
+    summary = {"slot_top1": [row[0] for row in accuracy],
+               "accepted_length": round(int(stats.accepted) / max(int(stats.blocks), 1), 4),
+               "blocks": int(stats.blocks)}
+    return summary if stats.hits.shape[1] == 1 else {**summary, "rank_accuracy": accuracy}
 
 
 @torch.no_grad()
 def evaluate_dflash(module: DFlashTrainModule, rows: list, batch_size: int, pad_token_id: int, cfg: TrainConfig,
                     device: torch.device) -> dict:
-    """The draft on held-out rows: slot top-1 and mean accepted length over seeded anchors (the same every time)."""
+    """The draft on held-out rows over seeded anchors (the same every time): slot top-1, each slot's accuracy at
+    ranks 0 .. eval_ranks - 1 (tree.grow_tree's rank_accuracy) and the mean accepted length."""
     if not rows:
         return {}
     was_training = module.training
     module.eval()
     size = module.draft.config.block_size
-    total = new_stats(size, device)
+    total = new_stats(size, cfg.eval_ranks, device)
     generator = torch.Generator().manual_seed(cfg.seed)
     for start in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[start: start + batch_size], pad_token_id).items()}
         anchors, valid = select_anchors(batch["loss_mask"], size, cfg.max_anchors, generator)
         _, stats = module(batch["input_ids"], batch["position_ids"], batch["segment_ids"], batch["loss_mask"],
-                          anchors, valid, cfg.dflash_decay_gamma)
+                          anchors, valid, cfg.dflash_decay_gamma, cfg.eval_ranks)
         total = add_stats(total, stats)
     module.train(was_training)
     return stats_summary(total, module.draft.config.drafted_slots.start)
@@ -251,7 +258,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
     accelerator.print(f"dflash: {len(train_rows)} train rows, {len(eval_rows)} eval rows, steps {start_step} -> "
                       f"{max_steps}, {accelerator.num_processes} process(es) on {accelerator.device}")
     module.train()
-    loss_sum, stats = torch.zeros((), device=accelerator.device), new_stats(size, accelerator.device)
+    loss_sum, stats = torch.zeros((), device=accelerator.device), new_stats(size, 1, accelerator.device)
     micro_batches, tokens, since, last_loss = 0, 0, time.perf_counter(), float("nan")
     began, done, timed_out = since, start_step, False
     seen = answer_tokens_seen(train_rows, start_step * cfg.grad_accum, cfg.batch_size, accelerator.num_processes,
@@ -297,7 +304,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                  "eta": clock(eta_seconds(time.perf_counter() - began, done - start_step,
                                           0 if timed_out else max_steps - done, cfg.time_limit))})
             loss_sum.zero_()
-            stats = new_stats(size, accelerator.device)
+            stats = new_stats(size, 1, accelerator.device)
             micro_batches, tokens, since = 0, 0, time.perf_counter()
         if cfg.eval_every and done % cfg.eval_every == 0 and done < max_steps and not timed_out:
             log({"step": done, "answer_tokens_seen": seen, "eval": run_eval()})
