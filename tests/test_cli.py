@@ -158,7 +158,7 @@ def test_options_shared_by_subcommands_are_defined_once():
     for flag in ("--do-sample", "--temperature", "--top-k", "--top-p"):  # the model's sampling, nothing else
         assert where[flag] == {"generate", "chat", "distill"}, flag
     assert where["--eval-ranks"] == {"train", "tree"}  # ranks measured per head: not --top-k
-    assert where["--lookup"] == where["--draft-model"] == {"generate", "chat", "bench"}
+    assert where["--lookup"] == where["--draft-model"] == where["--dflash"] == {"generate", "chat", "bench"}
     assert where["--system-prompt"] == {"chat", "distill"}
     assert where["--prompts"] == where["--prompt-field"] == {"bench", "distill"}
     assert where["--output"] == {"bench", "distill", "train"}  # one name for where a command writes
@@ -597,3 +597,28 @@ def test_compile_flag_compiles_generate_and_bench(model_dir, tmp_path, capsys, m
     assert report["summary"]["overall"]["medusa_lookup"]["equal_to_reference"] == 1.0
     timed = calls[-2:]  # the prompt's two runs: every block the chain may add was compiled before them
     assert all(c for c, _ in timed) and {shape[1] for shape in timed[0][1]} >= {1, 16}
+
+
+def test_generate_and_chat_speculate_with_a_dflash_draft(model_dir, tmp_path, monkeypatch, capsys):
+    """--dflash DIR: the draft's blocks, not the heads, through generate_with_dflash, with --tree as its rank paths
+    (left out: its chain); the greedy text is the base model's. Options of the heads or a draft model are refused."""
+    import medusa_spec.cli as cli
+    from medusa_spec.dflash import new_dflash, save_dflash
+
+    base = tiny_model("llama")
+    save_dflash(new_dflash(base, num_layers=1, block_size=4, aux_layer_ids=[0, 1], mask_token_id=3), tmp_path / "df")
+    trees, real = [], cli.generate_with_dflash
+    monkeypatch.setattr(cli, "generate_with_dflash", lambda *a, **k: trees.append(k["tree"]) or real(*a, **k))
+    common = ["--model", str(model_dir), "--max-new-tokens", "8", "--dflash", str(tmp_path / "df")]
+    assert main(["generate", "w5 w9 w11 w7", *common, "--compare"]) == 0
+    assert "identical: True" in capsys.readouterr().err and trees == [None]
+    assert main(["generate", "w5 w9 w11 w7", *common, "--tree", "[[0], [1], [0, 0]]"]) == 0
+    assert trees[-1] == [[0], [1], [0, 0]]
+    said = iter(["w5 w9 w11", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(said))
+    assert main(["chat", *common]) == 0 and trees[-1] is None
+    capsys.readouterr()
+    for extra, named in [(["--lookup", "4"], "--lookup"), (["--tree", "8"], "--tree N"),
+                         (["--draft-model", str(model_dir)], "--draft-model"), (["--compile"], "--compile")]:
+        assert main(["generate", "w5", *common, *extra]) == 2
+        assert named in capsys.readouterr().err, extra
