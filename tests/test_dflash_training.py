@@ -136,6 +136,10 @@ def test_a_trained_draft_learns_to_count_and_decodes_the_base_models_output(base
                                                                            tmp_path):
     output = tmp_path / "dflash"
     untrained = train_dflash(dflash_run(base_dir, conversations, tmp_path / "untrained", max_steps=1, lr=1e-9))
+    saved = (tmp_path / "untrained" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"already holds a model or a draft \(config.json\).*choose a new --output"):
+        train_dflash(dflash_run(base_dir, conversations, tmp_path / "untrained", max_steps=1))
+    assert (tmp_path / "untrained" / "model.safetensors").read_bytes() == saved  # a model's folder is no output
     summary = train_dflash(dflash_run(base_dir, conversations, output, max_steps=120, draft_vocab=20))
     log = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["eval"] == summary["eval"] and summary["steps"] == 120

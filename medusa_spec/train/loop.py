@@ -87,10 +87,15 @@ def prepare_run(cfg: TrainConfig) -> Run:
     if checkpoint is not None and not cfg.resume:
         raise ValueError(f"{output_dir} already holds checkpoints ({checkpoint.name}); pass --resume to continue "
                          f"that run, or choose a new --output")
-    finished = [name for name in (CONFIG_NAME, HF_CONFIG) if (output_dir / name).exists()]
-    if checkpoint is None and finished:  # a finished run's heads or draft, nothing to resume
-        raise ValueError(f"{output_dir} already holds trained heads or a draft ({finished[0]}), which this run would "
-                         f"replace; choose a new --output (--init-heads {output_dir} trains heads on)")
+    # A finished run's heads, nothing to resume; a DFlash draft is saved as config.json, which a model folder holds
+    # too (heads may be saved beside a model, a draft may not).
+    kept = (CONFIG_NAME, HF_CONFIG) if cfg.head_type == "dflash" else (CONFIG_NAME,)
+    finished = [name for name in kept if (output_dir / name).exists()]
+    if checkpoint is None and finished:
+        what = "trained heads" if finished[0] == CONFIG_NAME else "a model or a draft"
+        further = "" if cfg.head_type == "dflash" else f" (--init-heads {output_dir} trains those heads on)"
+        raise ValueError(f"{output_dir} already holds {what} ({finished[0]}), which this run would replace; choose a "
+                         f"new --output{further}")
     check_lora_folder(output_dir)  # the adapter is saved there at the end: refuse a lora/ it would delete now
     hidden_dir = output_dir / "hidden_cache"
     if cfg.cache_hidden and hidden_dir.exists() and not hidden_dir.is_dir():
