@@ -21,7 +21,6 @@ The base runs frozen under no_grad once per batch; its hidden states are not cac
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from typing import NamedTuple
@@ -39,16 +38,16 @@ from .data import collate
 from .draft_vocab import answer_token_counts, coverage, frequent_tokens
 from .hidden_cache import fingerprint
 from .loop import (
-    TRAIN_LOG,
     TRAINED_ON,
     answer_tokens_seen,
     batch_indices,
     clock,
     cosine_with_warmup,
     eta_seconds,
-    keep_log_through,
+    past_time_limit,
     prepare_run,
     rows_read,
+    train_log,
     write_trained_on,
 )
 from .module import attention_mask, base_logits_over
@@ -241,14 +240,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler)
     config_dict = {**dataclasses.asdict(cfg), DATA_FINGERPRINT: fingerprint([*train_rows, None, *eval_rows])}
     start_step = load_checkpoint(accelerator, run.checkpoint, config_dict) if run.checkpoint is not None else 0
-    if accelerator.is_main_process:
-        keep_log_through(output_dir / TRAIN_LOG, start_step)
-
-    def log(record):
-        accelerator.print(" ".join(f"{k}={v}" for k, v in record.items()))
-        if accelerator.is_main_process:
-            with open(output_dir / TRAIN_LOG, "a") as f:
-                f.write(json.dumps(record) + "\n")
+    log = train_log(accelerator, output_dir, start_step)
 
     def run_eval():
         return evaluate_dflash(accelerator.unwrap_model(module), eval_rows, cfg.batch_size, tokenizer.pad_token_id,
@@ -293,8 +285,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
 
         done = step + 1
         if cfg.time_limit is not None and done < max_steps:
-            late = torch.tensor(float(time.perf_counter() - began > 60 * cfg.time_limit), device=accelerator.device)
-            timed_out = bool(accelerator.reduce(late, "sum").item())
+            timed_out = past_time_limit(accelerator, began, cfg.time_limit)
         if done % cfg.log_every == 0 or done == max_steps or timed_out:
             last_loss = accelerator.reduce(loss_sum, "mean").item() / micro_batches
             summed = BlockStats(*(accelerator.reduce(t, "sum") for t in stats))

@@ -213,14 +213,7 @@ def train(cfg: TrainConfig) -> dict:
         accelerator.wait_for_everyone()
         cache = open_hidden_cache(hidden_dir, shape, dtype)
 
-    if accelerator.is_main_process:
-        keep_log_through(output_dir / TRAIN_LOG, start_step)
-
-    def log(record):
-        accelerator.print(" ".join(f"{k}={v}" for k, v in record.items()))
-        if accelerator.is_main_process:
-            with open(output_dir / TRAIN_LOG, "a") as f:
-                f.write(json.dumps(record) + "\n")
+    log = train_log(accelerator, output_dir, start_step)
 
     def run_eval():
         if not eval_rows:
@@ -270,10 +263,7 @@ def train(cfg: TrainConfig) -> dict:
 
         done = step + 1
         if cfg.time_limit is not None and done < max_steps:
-            # Every step, every process: one process's clock decides for all, since a process stopping alone would
-            # leave the others waiting.
-            late = torch.tensor(float(time.perf_counter() - began > 60 * cfg.time_limit), device=accelerator.device)
-            timed_out = bool(accelerator.reduce(late, "sum").item())
+            timed_out = past_time_limit(accelerator, began, cfg.time_limit)
         if done % cfg.log_every == 0 or done == max_steps or timed_out:
             last_loss = accelerator.reduce(loss_sum, "mean").item() / micro_batches
             log({"step": done, "loss": round(last_loss, 4),
@@ -591,6 +581,28 @@ def clock(seconds: float) -> str:
 
 
 TRAIN_LOG = "train_log.jsonl"
+
+
+def train_log(accelerator, output_dir: Path, start_step: int):
+    """log(record): a record printed by every process and appended to output_dir's TRAIN_LOG by the main one, which
+    first drops the records a killed run wrote past `start_step` (keep_log_through)."""
+    if accelerator.is_main_process:
+        keep_log_through(output_dir / TRAIN_LOG, start_step)
+
+    def log(record: dict) -> None:
+        accelerator.print(" ".join(f"{k}={v}" for k, v in record.items()))
+        if accelerator.is_main_process:
+            with open(output_dir / TRAIN_LOG, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    return log
+
+
+def past_time_limit(accelerator, began: float, minutes: float) -> bool:
+    """Whether the loop that began at `began` (perf_counter) has run past --time-limit: asked every step by every
+    process, and one process's clock decides for all, since a process stopping alone would leave the others
+    waiting."""
+    late = torch.tensor(float(time.perf_counter() - began > 60 * minutes), device=accelerator.device)
+    return bool(accelerator.reduce(late, "sum").item())
 
 
 def keep_log_through(path: Path, step: int) -> None:
