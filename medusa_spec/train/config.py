@@ -147,9 +147,7 @@ class TrainConfig:
         for name in ("lr", "base_lr"):  # 0 is allowed: heads carried over unchanged (--init-heads)
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0, got {getattr(self, name)}")
-        lora = [f"--{name.replace('_', '-')}" for name in ("lora_r", "lora_alpha", "lora_dropout",
-                                                           "lora_target_modules")
-                if getattr(self, name) != type(self).__dataclass_fields__[name].default]
+        lora = self._changed("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
         if lora and self.mode != "medusa2":
             raise ValueError(f"{', '.join(lora)} shape the LoRA on the base, which only --mode medusa2 trains "
                              f"(--mode {self.mode} keeps the base frozen): add --mode medusa2, or drop them")
@@ -164,9 +162,7 @@ class TrainConfig:
                 and not self.context_heads and self.init_heads is None):
             raise ValueError("--num-layers 0 leaves heads that share the LM head nothing to train: give them a block "
                              "(--num-layers 1) or their own projection (--no-share-lm-head)")
-        dflash_flags = [f"--{name.replace('_', '-')}" for name in ("block_size", "max_anchors", "dflash_decay_gamma",
-                                                                   "mask_token_id")
-                        if getattr(self, name) != type(self).__dataclass_fields__[name].default]
+        dflash_flags = self._changed("block_size", "max_anchors", "dflash_decay_gamma", "mask_token_id")
         if dflash_flags and self.head_type != "dflash":
             raise ValueError(f"{', '.join(dflash_flags)} shape a DFlash draft's training: add --head-type dflash, or "
                              f"drop them")
@@ -175,6 +171,11 @@ class TrainConfig:
         if self.draft_layer_mlp is not None and (self.head_type not in ("eagle", None) or self.draft_layer_mlp < 1):
             raise ValueError(f"--draft-layer-mlp sets the width of eagle heads' draft layer: use it with --head-type "
                              f"eagle and a width >= 1, got {self.draft_layer_mlp} with --head-type {self.head_type}")
+
+    def _changed(self, *names: str) -> list[str]:
+        """The flags of `names` given values other than their defaults."""
+        return [f"--{name.replace('_', '-')}" for name in names
+                if getattr(self, name) != type(self).__dataclass_fields__[name].default]
 
     def _check_dflash(self) -> None:
         """A DFlash draft trains from scratch on a frozen base, as speculators trains one."""
