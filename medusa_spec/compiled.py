@@ -66,15 +66,17 @@ def compile_options(device: torch.device, dtype: torch.dtype) -> dict:
     """inductor's options for the verify graph on `device`. CPU: the weights frozen into the graph, so that its
     linear layers run inductor's own C++ GEMM, which needs them constant: for fp32 where the CPU has the vector
     instructions its kernel is written for, the only choice (nothing to time; aten's MKL linear was far slower on
-    the CPUs measured), else chosen against aten's by timing both. Other devices: inductor's defaults (not measured
-    here)."""
+    the CPUs measured), else chosen against aten's by timing both; and the C++ wrapper, which calls the graph's
+    kernels from C++ rather than Python: a one-row pass of SmolLM2-135M 8% faster, an 8-node one 12%
+    (experiments/2026-12-07-cpp-wrapper/NOTES.md), for a compile 15-20% longer. Other devices: inductor's defaults
+    (not measured here)."""
     if device.type != "cpu":
         return {}
     from torch._inductor.cpu_vec_isa import pick_vec_isa  # inductor's own test for its vectorised kernels
 
     backends = "CPP" if dtype == torch.float32 and pick_vec_isa() else "CPP,ATEN"
     return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": backends,
-            "max_autotune_report_choices_stats": False}
+            "max_autotune_report_choices_stats": False, "cpp_wrapper": True}
 
 
 def cpp_compiler() -> str | None:
