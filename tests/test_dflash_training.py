@@ -195,6 +195,46 @@ def test_resume_after_a_kill_reaches_the_draft_of_an_uninterrupted_run(base_dir,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_saved_draft_trains_on_from_its_folder(base_dir, conversations, tmp_path):  # noqa: F811
+    """--init-heads DIR with a DFlash folder: the draft as saved (bf16 too) starts the run, in fp32, its shape kept
+    (a flag with another value is refused), and what it learned from listed beside what it learns now."""
+    first = train_dflash(dflash_run(base_dir, conversations, tmp_path / "first", max_steps=6, draft_vocab=20))
+    saved = load_file(tmp_path / "first" / "model.safetensors")
+    # Left-out shape flags take the draft's; the folder's kind makes the run a DFlash one without --head-type.
+    again = dict(num_layers=None, feature_layers=None, block_size=8, head_type=None, init_heads=str(tmp_path / "first"))
+    assert dflash_run(base_dir, conversations, tmp_path / "x", **again).head_type == "dflash"
+    unchanged = train_dflash(dflash_run(base_dir, conversations, tmp_path / "same", max_steps=1, lr=0.0, **again))
+    assert unchanged["eval"] == first["eval"]  # the same weights, on the same held-out rows
+    same = load_file(tmp_path / "same" / "model.safetensors")
+    assert same.keys() == saved.keys() and all(torch.equal(same[k], saved[k]) for k in saved)
+    assert json.loads((tmp_path / "same" / "config.json").read_text()) == json.loads(
+        (tmp_path / "first" / "config.json").read_text())
+
+    base, _ = load_model_and_tokenizer(base_dir)
+    save_dflash(load_dflash(tmp_path / "first", base), tmp_path / "bf16", dtype=torch.bfloat16)
+    (tmp_path / "bf16" / "trained_conversations.txt").write_text(
+        (tmp_path / "first" / "trained_conversations.txt").read_text())
+    on = train_dflash(dflash_run(base_dir, conversations, tmp_path / "on", max_steps=40,
+                                 **{**again, "init_heads": str(tmp_path / "bf16")}))
+    trained = load_file(tmp_path / "on" / "model.safetensors")
+    assert trained["layers.0.mlp.up_proj.weight"].dtype == torch.float32
+    assert not torch.equal(trained["fc.weight"], saved["fc.weight"])  # it trains
+    rows = load_file(tmp_path / "bf16" / "model.safetensors")["lm_head.weight"]
+    assert torch.equal(trained["lm_head.weight"], rows.float())  # frozen: the base's rows as the folder keeps them
+    assert on["eval"]["accepted_length"] > first["eval"]["accepted_length"]
+    # On conversations it has not seen: those it learned from are listed beside the new ones.
+    learned = (tmp_path / "first" / "trained_conversations.txt").read_text().split()
+    train_dflash(dflash_run(base_dir, conversations, tmp_path / "apart", max_steps=1, eval_examples=1, batch_size=2,
+                            exclude=[str(tmp_path / "first" / "trained_conversations.txt")], **again))
+    listed = (tmp_path / "apart" / "trained_conversations.txt").read_text().split()
+    assert set(learned) < set(listed)
+
+    for flag, value in (("block_size", 6), ("draft_vocab", 30), ("num_layers", 2), ("feature_layers", [1])):
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')}.*leave --{flag.replace('_', '-')} out"):
+            train_dflash(dflash_run(base_dir, conversations, tmp_path / f"bad-{flag}", max_steps=1,
+                                    **{**again, flag: value}))
+
+
 def test_save_dflash_writes_what_load_dflash_reads_back(tmp_path):
     base = tiny_model("qwen3").eval()
     torch.manual_seed(0)

@@ -3,8 +3,10 @@ too: medusa_spec.flags), checked when built."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..config import HEAD_TYPES
 from .fields import head_defaults, head_option, option, shared
@@ -62,7 +64,9 @@ class TrainConfig:
                                     "seen; their architecture and draft vocabulary are kept (head flags that set "
                                     "another are refused, but --feature-layers adds fusion to heads without, and a "
                                     "larger --num-layers adds residual blocks after theirs); their "
-                                    "tree is dropped, for `medusa-spec tree` to grow one from the new accuracies")
+                                    "tree is dropped, for `medusa-spec tree` to grow one from the new accuracies; "
+                                    "a DFlash draft folder (speculators') trains on as a DFlash draft, its shape "
+                                    "kept")
     exclude: list[str] = shared([])
     replay: int = option(0, "with --init-heads and --exclude its trained_conversations.txt: also train on the "
                          "conversations beginning as N of those the heads learned from (a seeded sample), mixed in "
@@ -162,6 +166,8 @@ class TrainConfig:
                 and not self.context_heads and self.init_heads is None):
             raise ValueError("--num-layers 0 leaves heads that share the LM head nothing to train: give them a block "
                              "(--num-layers 1) or their own projection (--no-share-lm-head)")
+        if self.head_type is None and self.init_heads is not None and _holds_dflash(self.init_heads):
+            self.head_type = "dflash"  # the folder's kind, as --init-heads gives heads their architecture
         dflash_flags = self._changed("block_size", "max_anchors", "dflash_decay_gamma", "mask_token_id")
         if dflash_flags and self.head_type != "dflash":
             raise ValueError(f"{', '.join(dflash_flags)} shape a DFlash draft's training: add --head-type dflash, or "
@@ -178,15 +184,17 @@ class TrainConfig:
                 if getattr(self, name) != type(self).__dataclass_fields__[name].default]
 
     def _check_dflash(self) -> None:
-        """A DFlash draft trains from scratch on a frozen base, as speculators trains one."""
-        refused = {"--mode medusa2": self.mode == "medusa2", "--init-heads": self.init_heads is not None,
-                   "--cache-hidden": self.cache_hidden, "--context-heads": bool(self.context_heads),
-                   "--draft-layer-mlp": self.draft_layer_mlp is not None, "--replay": bool(self.replay)}
+        """A DFlash draft trains on a frozen base, as speculators trains one: a new one, or (--init-heads) a saved
+        one on."""
+        refused = {"--mode medusa2": self.mode == "medusa2", "--cache-hidden": self.cache_hidden,
+                   "--context-heads": bool(self.context_heads),
+                   "--draft-layer-mlp": self.draft_layer_mlp is not None}
         given = [flag for flag, set_ in refused.items() if set_]
         if given:
-            raise ValueError(f"{', '.join(given)}: not for --head-type dflash, which trains a new DFlash draft on a "
-                             f"frozen base; drop them")
-        if self.block_size < 2 or self.max_anchors < 1 or self.num_layers < 1:
+            raise ValueError(f"{', '.join(given)}: not for --head-type dflash, which trains a DFlash draft on a frozen "
+                             f"base; drop them")
+        layers = 1 if self.num_layers is None else self.num_layers  # None: --init-heads' draft's
+        if self.block_size < 2 or self.max_anchors < 1 or layers < 1:
             raise ValueError(f"--head-type dflash needs --block-size >= 2 (the anchor and a drafted slot), "
                              f"--max-anchors >= 1 and --num-layers >= 1; got {self.block_size}, {self.max_anchors} "
                              f"and {self.num_layers}")
@@ -194,3 +202,12 @@ class TrainConfig:
             raise ValueError(f"--dflash-decay-gamma must be a number > 0, got {self.dflash_decay_gamma}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"--mask-token-id must be a token id >= 0, got {self.mask_token_id}")
+
+
+def _holds_dflash(folder: str) -> bool:
+    """Whether `folder` holds a speculators DFlash draft (its config.json says so); False where it cannot be read
+    (the loader reports that)."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("speculators_model_type") == "dflash"
+    except (OSError, ValueError, AttributeError):
+        return False

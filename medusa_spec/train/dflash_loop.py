@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..columnwise import columnwise_copy
-from ..dflash import DFlashDraft, new_dflash, save_dflash
+from ..dflash import DFlashDraft, load_dflash, new_dflash, save_dflash
 from ..eagle3 import default_feature_layers
 from .checkpoint import DATA_FINGERPRINT, load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -212,6 +213,36 @@ def mask_token(tokenizer, cfg: TrainConfig, vocab_size: int) -> int:
     return chosen
 
 
+def continued_dflash(base_model: nn.Module, cfg: TrainConfig) -> tuple[DFlashDraft, TrainConfig]:
+    """The DFlash draft saved in cfg.init_heads (a speculators DFlash folder) on `base_model`, in fp32 with its LM
+    head frozen as new_dflash makes it, and cfg with its shape: a flag given with another value than the draft's is
+    refused, naming both."""
+    path = Path(cfg.init_heads)
+    draft = load_dflash(path, base_model)
+    config = draft.config
+    reduced = config.draft_vocab_size < config.vocab_size
+    theirs = {"num_layers": len(draft.layers), "feature_layers": list(config.aux_layer_ids),
+              "draft_vocab": config.draft_vocab_size if reduced else None, "block_size": config.block_size,
+              "mask_token_id": config.mask_token_id}
+    defaults = type(cfg).__dataclass_fields__
+    for name, value in theirs.items():
+        given = getattr(cfg, name)  # None, or block_size's default: left out
+        left_out = given is None or (name == "block_size" and given == defaults[name].default)
+        if not left_out and given != value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"--init-heads {path}: its DFlash draft has {flag} {value}, but {given} was given; leave "
+                             f"{flag} out to train it on as it is, or drop --init-heads to train a new draft")
+    if config.sample_from_anchor or config.sliding_window_non_causal:
+        raise ValueError(f"--init-heads {path}: a draft with sample_from_anchor or sliding_window_non_causal set is "
+                         f"decoded here but not trained (speculators trains neither setting)")
+    draft = draft.float()  # trained in fp32, whatever dtype the folder keeps
+    for param in draft.parameters():  # its own copies: training updates them in place, not the tensors as read
+        param.data = param.data.clone()
+    if draft.lm_head is not None:
+        draft.lm_head.requires_grad_(False)  # the base's rows, frozen (new_dflash)
+    return draft, dataclasses.replace(cfg, **{k: v for k, v in theirs.items() if k != "draft_vocab" or reduced})
+
+
 def train_dflash(cfg: TrainConfig) -> dict:
     """Train a new DFlash draft for cfg.model on cfg.data, checkpointing as heads do, and save it into cfg.output as a
     speculators DFlash folder (load_dflash reads it; vLLM and SGLang serve the format); returns a summary."""
@@ -220,16 +251,20 @@ def train_dflash(cfg: TrainConfig) -> dict:
     base_model, tokenizer, spec, train_rows, eval_rows = run.base_model, run.tokenizer, run.spec, run.train_rows, \
         run.eval_rows
     vocab = spec.vocab_size
-    token_ids, vocab_summary = None, {}
-    if cfg.draft_vocab is not None:  # the most frequent answer tokens, in token-id order as speculators' t2d
-        counts = answer_token_counts(train_rows, vocab)
-        token_ids = frequent_tokens(counts, cfg.draft_vocab).sort().values
-        sizes = sorted({cfg.draft_vocab, *(s for s in (1024, 2048, 4096, 8192, 16384) if s < vocab)})
-        vocab_summary = {"draft_vocab": {"size": cfg.draft_vocab, "coverage": coverage(counts, sizes)}}
-    aux = list(cfg.feature_layers) or default_feature_layers(spec.num_layers or 1)
     base_model.requires_grad_(False)
-    draft = new_dflash(base_model, cfg.num_layers, cfg.block_size, aux, mask_token(tokenizer, cfg, vocab), token_ids,
-                       run.base_name).float()
+    vocab_summary = {}
+    if cfg.init_heads is not None:
+        draft, cfg = continued_dflash(base_model, cfg)
+    else:
+        token_ids = None
+        if cfg.draft_vocab is not None:  # the most frequent answer tokens, in token-id order as speculators' t2d
+            counts = answer_token_counts(train_rows, vocab)
+            token_ids = frequent_tokens(counts, cfg.draft_vocab).sort().values
+            sizes = sorted({cfg.draft_vocab, *(s for s in (1024, 2048, 4096, 8192, 16384) if s < vocab)})
+            vocab_summary = {"draft_vocab": {"size": cfg.draft_vocab, "coverage": coverage(counts, sizes)}}
+        aux = list(cfg.feature_layers) or default_feature_layers(spec.num_layers or 1)
+        draft = new_dflash(base_model, cfg.num_layers, cfg.block_size, aux, mask_token(tokenizer, cfg, vocab),
+                           token_ids, run.base_name).float()
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     max_steps = run.max_steps
@@ -313,7 +348,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
     if accelerator.is_main_process:
         save_dflash(accelerator.unwrap_model(module).draft, output_dir)
         read = rows_read(done * cfg.grad_accum, len(train_rows), cfg.batch_size, accelerator.num_processes, cfg.seed)
-        write_trained_on(output_dir / TRAINED_ON, {e.source for i in read for e in train_rows[i]})
+        write_trained_on(output_dir / TRAINED_ON, run.learned_before | {e.source for i in read for e in train_rows[i]})
     accelerator.wait_for_everyone()
     accelerator.print(f"saved the DFlash draft to {output_dir}")
     return {**summary, "eval": metrics}

@@ -65,6 +65,7 @@ class Run:
     eval_rows: list
     replayed: list
     max_steps: int
+    learned_before: set  # the conversations --init-heads learned from (its TRAINED_ON), listed beside this run's
 
 
 def prepare_run(cfg: TrainConfig) -> Run:
@@ -102,6 +103,11 @@ def prepare_run(cfg: TrainConfig) -> Run:
         raise ValueError(f"--cache-hidden keeps the hidden states in {hidden_dir}, which is a file here; move it "
                          f"away, or choose another --output")
     keep_trainable_weights_only(accelerator)
+    # What the initial heads learned from, to list beside this run's (read now: a bad record fails before training,
+    # not after).
+    learned_before = set()
+    if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
+        learned_before = read_trained_on(Path(cfg.init_heads) / TRAINED_ON, "--init-heads")
 
     # 1. Data (read first: a bad file fails before a big model loads) and base model. Trainable
     # weights stay fp32; the base takes the mixed-precision dtype.
@@ -131,7 +137,7 @@ def prepare_run(cfg: TrainConfig) -> Run:
                          f"{accelerator.num_processes} processes); lower --batch-size or distill more")
     max_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
     return Run(cfg, accelerator, output_dir, checkpoint, base_model, dtype, tokenizer, spec, base_name, train_rows,
-               eval_rows, replayed, max_steps)
+               eval_rows, replayed, max_steps, learned_before)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -144,12 +150,7 @@ def train(cfg: TrainConfig) -> dict:
     base_model, tokenizer, spec, base_name = run.base_model, run.tokenizer, run.spec, run.base_name
     train_rows, eval_rows, replayed, max_steps = run.train_rows, run.eval_rows, run.replayed, run.max_steps
     medusa2 = cfg.mode == "medusa2"
-    hidden_dir, dtype = output_dir / "hidden_cache", run.dtype
-    # What the initial heads learned from, to list beside this run's (read now: a bad record fails before training,
-    # not after).
-    learned_before = set()
-    if cfg.init_heads is not None and (Path(cfg.init_heads) / TRAINED_ON).is_file():
-        learned_before = read_trained_on(Path(cfg.init_heads) / TRAINED_ON, "--init-heads")
+    hidden_dir, dtype, learned_before = output_dir / "hidden_cache", run.dtype, run.learned_before
 
     # 2. Heads (+ LoRA), optimizer with one learning rate per group, schedule.
     if cfg.init_heads is not None:
