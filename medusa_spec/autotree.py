@@ -435,22 +435,23 @@ def measure_costs(mm, packs: PackedWeights | None = None, dynamic: bool = False,
     timed = {1: probed if verify_costs else one_row, PROBE_ROWS: probed}
     verify, draft = {}, {}
     for r in rows:
+        accuracy = None if dynamic else heads_rank_accuracy(mm.config)
         latency, draft[r] = measure_step_costs(mm, sizes=timed[r], context=context, repeats=repeats,
-                                               rank_accuracy=None if dynamic else rank_accuracy(mm.config), batch=r,
-                                               packs=packs, dynamic=dynamic, time_verify=verify_costs is None)
+                                               rank_accuracy=accuracy, batch=r, packs=packs, dynamic=dynamic,
+                                               time_verify=verify_costs is None)
         verify[r] = {n: verify_costs.verify[r][n] for n in timed[r]} if verify_costs else latency
     return StepCosts(verify, draft, PROBE_ROWS)
 
 
-def rank_accuracy(config) -> list[list[float]] | None:
+def heads_rank_accuracy(config) -> list[list[float]] | None:
     """The heads' held-out rank accuracies (metrics.eval.rank_accuracy), one row per head; None without them."""
     accuracy = config.metrics.get("eval", {}).get("rank_accuracy")
     return accuracy[: config.num_heads] if accuracy else None
 
 
 def required_rank_accuracy(config) -> list[list[float]]:
-    """rank_accuracy(config), or a ValueError saying how to get them."""
-    accuracy = rank_accuracy(config)
+    """heads_rank_accuracy(config), or a ValueError saying how to get them."""
+    accuracy = heads_rank_accuracy(config)
     if not accuracy:
         raise ValueError("these heads carry no measured rank accuracies (metrics.eval.rank_accuracy); train them "
                          "with an eval split or run `medusa-spec tree --model ... --data ...` first")
@@ -505,7 +506,7 @@ class TreeChoice:
     def choices(self, mm, batch: int = 1) -> list[list[int]]:
         """The rank paths tree=None starts from for `batch` rows: with rank accuracies the best of table(batch)
         (best_tree), else the adapter's stored tree, else default_tree(num_heads)."""
-        accuracy = rank_accuracy(mm.config)
+        accuracy = heads_rank_accuracy(mm.config)
         if not accuracy:
             return mm.config.tree or default_tree(mm.config.num_heads)
         return best_tree(self.table(mm, batch), accuracy)["tree"]
@@ -522,7 +523,7 @@ class TreeChoice:
         eagle heads draft through its draft graphs, and their tree for one row is priced by the compiled graphs
         instead (compiled_dynamic_tree, kept as the costs are); every other choice is the eager one, its blocks padded
         to the compiled sizes."""
-        accuracy = rank_accuracy(mm.config)
+        accuracy = heads_rank_accuracy(mm.config)
         eagle = getattr(mm.heads, "draft_layer", None) is not None
         packs = self.packs
         graphs = compiled.draft if compiled is not None and eagle else None
