@@ -5,7 +5,7 @@ few seconds at the first call, as long as the call itself on a small CPU. They d
 model's architecture and dtype, the heads' config and this code, not on the weights' values or the text: one file
 per such key under cache_root()/step_costs, as torch's inductor keeps compiled kernels. MEDUSA_SPEC_STEP_COSTS=0
 turns the files off (timed in every process, as before); delete the folder to time again, e.g. after a change of
-the machine's load the key cannot see.
+the machine's load the key cannot see. The folder keeps the KEEP_FILES most recently written files.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from .base import model_device_dtype
 from .default_model import cache_root
 
 SWITCH = "MEDUSA_SPEC_STEP_COSTS"
+# Files kept: each change of the code, the heads' config or the machine writes a new one, and the old ones would pile
+# up; past this many, the least recently written go (a few KB each: room for every recent heads x dtype x kind).
+KEEP_FILES = 64
 
 
 def costs_file(mm, dynamic: bool) -> Path | None:
@@ -89,9 +92,24 @@ def write(path: Path | None, costs: dict) -> None:
         with os.fdopen(handle, "w") as file:
             json.dump(costs, file)
         os.replace(temporary, path)
+        prune(path.parent, keep=path)
     except OSError as error:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
         warnings.warn(f"could not keep the step costs in {path} ({error}); they will be timed again in the next "
                       f"process. Set {SWITCH}=0 to stop trying, or MEDUSA_SPEC_CACHE to a writable folder",
                       stacklevel=3)
+
+
+def prune(folder: Path, keep: Path) -> None:
+    """Delete the cost files of `folder` past the KEEP_FILES most recently written, never `keep` (just written)."""
+    def written(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # deleted by another process meanwhile
+            return float("-inf")
+
+    files = sorted(folder.glob("*.json"), key=written, reverse=True)
+    for old in files[KEEP_FILES:]:
+        if old != keep:
+            old.unlink(missing_ok=True)

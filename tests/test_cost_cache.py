@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -112,3 +113,17 @@ def test_step_costs_survive_json():
     assert one_row.merged(costs) == costs and one_row.at(1) == costs.at(1)
     with pytest.raises(ValueError, match="cannot price 3: time the probe's 4 rows too"):
         one_row.at(3)
+
+
+def test_the_folder_keeps_the_most_recently_written_files(tmp_path, monkeypatch):
+    """Each code change writes a new file; past KEEP_FILES the least recently written go, never the new one."""
+    monkeypatch.setattr(cost_cache, "KEEP_FILES", 3)
+    folder = tmp_path / "step_costs"
+    for n in range(5):
+        cost_cache.write(folder / f"{n}.json", {"n": n})
+        os.utime(folder / f"{n}.json", (1000 + n, 1000 + n))
+    assert sorted(p.name for p in folder.glob("*.json")) == ["2.json", "3.json", "4.json"]
+    cost_cache.write(folder / "2.json", {"n": 5})  # rewritten: now the newest
+    cost_cache.write(folder / "new.json", {"n": 6})
+    assert sorted(p.name for p in folder.glob("*.json")) == ["2.json", "4.json", "new.json"]
+    assert cost_cache.read(folder / "2.json") == {"n": 5} and not list(folder.glob("*.tmp"))
