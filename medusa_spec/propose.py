@@ -306,7 +306,101 @@ class DraftLayerProposer(Proposer):
 CALIBRATION_PRIOR = 8.0
 
 
-class DynamicDraftLayerProposer(DraftLayerProposer):
+class DynamicSizing:
+    """A DynamicTree's size each step, for the proposers that draft one (eagle heads', DFlash's): `nodes`, or with step
+    costs the size with the most expected tokens per ms, the candidates' probabilities scaled by how well they have
+    foretold the tokens the trees' nodes matched so far in the call. The proposer sets `dynamic` (its DynamicTree),
+    calls start_sizing at start, chosen_size on its ranked candidates, sized_update after each verify pass and
+    keep_sizing for rows kept."""
+
+    dynamic: DynamicTree
+
+    def start_sizing(self, root: torch.Tensor) -> None:
+        rows = root.shape[0]
+        # float: it weighs the rows' probabilities (a row done at prefill, its first token eos, weighs one step)
+        self.going = torch.ones(rows, device=root.device)
+        self.rows_going = rows
+        self.matched = torch.zeros((), device=root.device)  # a device tensor: read at the next step's sync
+        self.foretold = 0.0
+        self.sizes: list[int] = []
+
+    def chosen_size(self, values: torch.Tensor) -> torch.return_types.sort:
+        """Each row's candidates (their probabilities `values` [B, count]) best first, and the step's size (kept in
+        self.sizes[-1]): one for the batch (one verify pass), chosen on the rows' ranked probabilities summed rank by
+        rank. A child that ties its parent comes after it (a stable sort, and parents come first in `values`)."""
+        order = torch.sort(values, dim=1, descending=True, stable=True)  # [B, count]
+        ranked = (order.values * self.going[:, None]).sum(0)
+        *ordered, matched = torch.cat([ranked, self.matched[None]]).tolist()  # the step's host sync
+        n = self.size(ordered, matched)
+        self.sizes.append(n)
+        self.foretold_now = sum(ordered[: n - 1])
+        return order
+
+    def size(self, ordered: list[float], matched: float) -> int:
+        """The step's tree size, root included, for the candidates' probabilities `ordered` (best first, summed over
+        the rows still generating): `nodes`, or with step costs the size with the most expected tokens per ms."""
+        most = min(self.dynamic.nodes, len(ordered) + 1)
+        step_ms = self.dynamic.step_ms
+        if step_ms is None:
+            return most
+        scale = (matched + CALIBRATION_PRIOR) / (self.foretold + CALIBRATION_PRIOR)
+        expected = self.rows_going  # each row's own token
+        best, best_rate = 1, expected / step_ms[0]
+        for n in range(2, most + 1):
+            expected += scale * ordered[n - 2]
+            if expected / step_ms[n - 1] > best_rate:
+                best, best_rate = n, expected / step_ms[n - 1]
+        return best
+
+    def sized_update(self, step: StepResult, tree: Tree, node_tokens: torch.Tensor) -> None:
+        """Evidence for the scale: how deep each row's emitted tokens (the accepted ones and the bonus: the base
+        model's own) run along this step's tree (`tree`, its `node_tokens`), whichever candidates the pass verified (a
+        lookup chain's, say)."""
+        if tree.num_nodes > 1:
+            paths = tree.node_paths[:, :, 1:]  # [B, N, depth]: each row's tree
+            # What each row emitted (its accepted tokens and the bonus, cut at eos or the budget: the host's lists),
+            # padded with -1 to the tree's depth.
+            width = paths.shape[2]
+            emitted = torch.tensor([(tokens + [-1] * width)[:width] for tokens in step.host.emitted],
+                                   device=paths.device)
+            below = torch.arange(width, device=paths.device) < tree.depth[:, :, None]  # [B, N, depth]
+            path_tokens = node_tokens.gather(1, paths.flatten(1)).view_as(paths)
+            agree = (path_tokens == emitted[:, None, :]) | ~below  # [B, N, depth]
+            reached = (agree.all(-1) * tree.depth).amax(-1)  # [B]: the deepest node on the emitted path
+            self.matched = self.matched + (reached * step.active).sum()
+            self.foretold += self.foretold_now
+        self.going = step.going.to(self.going.dtype)
+        self.rows_going = sum(step.host.going)
+
+    def keep_sizing(self, rows: torch.Tensor) -> None:
+        self.going = self.going[rows]
+
+
+def ranked_tree(root: torch.Tensor, order: torch.Tensor, n: int, tokens: list[torch.Tensor],
+                paths: list[torch.Tensor], levels: list[int]) -> tuple[Tree, torch.Tensor]:
+    """Each row's tree of its n - 1 best candidates under the root (a per-row Tree, nodes by depth, parents first) and
+    its node tokens [B, n]. Candidates are numbered in the order drafted, level by level: `tokens` [B, m] and `paths`
+    [B, m, depth] (each candidate's ancestors at depths 1 .. d, then itself repeated) per level, `levels` the number
+    drafted up to each level's end; `order` [B, count] their indices, best first (a child never before its parent)."""
+    rows, device, depth = root.shape[0], root.device, paths[0].shape[2]
+    count = order.shape[1]
+    chosen = order[:, : n - 1].sort(dim=1).values  # [B, n - 1] by index: by depth, parents first
+    node_of = torch.zeros(rows, count, dtype=torch.long, device=device)
+    node_of.scatter_(1, chosen, torch.arange(1, n, device=device).expand(rows, -1))
+    chosen_depth = torch.bucketize(chosen, torch.tensor(levels, device=device), right=True) + 1
+    ancestors = torch.cat(paths, dim=1).gather(1, chosen[:, :, None].expand(-1, -1, depth))  # candidate indices
+    ancestors = node_of.gather(1, ancestors.flatten(1)).view_as(ancestors)
+    node_paths = torch.cat([torch.zeros(rows, n, 1, dtype=torch.long, device=device),
+                            torch.cat([torch.zeros(rows, 1, depth, dtype=torch.long, device=device), ancestors],
+                                      dim=1)], dim=2)  # [B, n, depth + 1]
+    tree_depth = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), chosen_depth], dim=1)
+    tree_mask = (node_paths[:, :, :, None] == torch.arange(n, device=device)).any(2)
+    parent = node_paths.gather(2, (tree_depth - 1).clamp(min=0)[:, :, None])[:, :, 0]
+    node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1).gather(1, chosen)], dim=1)
+    return Tree(tree_depth, parent, tree_mask, node_paths), node_tokens
+
+
+class DynamicDraftLayerProposer(DynamicSizing, DraftLayerProposer):
     """Eagle heads on a DynamicTree (EAGLE-2; see tree.DynamicTree): each step drafts its candidates level by level,
     a draft-layer pass over each level's beam, and hands over the best ones as that step's tree (a Tree built with
     tensor ops, its nodes ordered by depth). In a batch each row drafts its own beam and gets its own tree (a per-row
@@ -326,13 +420,7 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
 
     def start(self, prompt: Prompt) -> None:
         super().start(prompt)
-        rows = prompt.root.shape[0]
-        # float: it weighs the rows' probabilities (a row done at prefill, its first token eos, weighs one step)
-        self.going = torch.ones(rows, device=prompt.root.device)
-        self.rows_going = rows
-        self.matched = torch.zeros((), device=prompt.root.device)  # a device tensor: read at the next step's sync
-        self.foretold = 0.0
-        self.sizes: list[int] = []
+        self.start_sizing(prompt.root)
 
     def propose(self, root: torch.Tensor) -> Candidates:
         heads, slots, top_k, device = self.heads, self.slots, self.dynamic.top_k, root.device
@@ -377,33 +465,13 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             parents = outputs.gather(1, (kept // top_k)[:, :, None].expand(-1, -1, outputs.shape[-1]))
             outputs = self.draft_pass(parents, self.embed(tokens[-1].gather(1, kept)), mask, q_pos, slots.cache)
             beam_logp, beam_value, beam_paths = logp.gather(1, kept), value.gather(1, kept), kept_paths
-        # Each row's tree: its own best candidates, best first; a child that ties its parent comes after it (stable,
-        # and parents were drafted first). The size is one for the batch (one verify pass), chosen on the rows'
-        # ranked probabilities summed rank by rank.
-        order = torch.sort(torch.cat(values, dim=1), dim=1, descending=True, stable=True)  # [B, count]
-        ranked = (order.values * self.going[:, None]).sum(0)
-        *ordered, matched = torch.cat([ranked, self.matched[None]]).tolist()  # the step's host sync
-        n = self.size(ordered, matched)
-        self.sizes.append(n)
-        self.foretold_now = sum(ordered[: n - 1])
+        # Each row's tree: its own best candidates (see chosen_size for the size).
+        order = self.chosen_size(torch.cat(values, dim=1))
+        n = self.sizes[-1]
         if n == 1:
-            self.tree = self.layout
-            return Candidates(root[:, None], self.layout)
-        rows = root.shape[0]
-        chosen = order.indices[:, : n - 1].sort(dim=1).values  # [B, n - 1] by index: by depth, parents first
-        node_of = torch.zeros(rows, count, dtype=torch.long, device=device)
-        node_of.scatter_(1, chosen, torch.arange(1, n, device=device).expand(rows, -1))
-        chosen_depth = torch.bucketize(chosen, torch.tensor(levels, device=device), right=True) + 1
-        ancestors = torch.cat(paths, dim=1).gather(1, chosen[:, :, None].expand(-1, -1, depth))  # candidate indices
-        ancestors = node_of.gather(1, ancestors.flatten(1)).view_as(ancestors)
-        node_paths = torch.cat([torch.zeros(rows, n, 1, dtype=torch.long, device=device),
-                                torch.cat([torch.zeros(rows, 1, depth, dtype=torch.long, device=device), ancestors],
-                                          dim=1)], dim=2)  # [B, n, depth + 1]
-        tree_depth = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), chosen_depth], dim=1)
-        tree_mask = (node_paths[:, :, :, None] == torch.arange(n, device=device)).any(2)
-        parent = node_paths.gather(2, (tree_depth - 1).clamp(min=0)[:, :, None])[:, :, 0]
-        self.tree = Tree(tree_depth, parent, tree_mask, node_paths)
-        self.node_tokens = torch.cat([root[:, None], torch.cat(tokens, dim=1).gather(1, chosen)], dim=1)
+            self.tree, self.node_tokens = self.layout, root[:, None]
+            return Candidates(self.node_tokens, self.layout)
+        self.tree, self.node_tokens = ranked_tree(root, order.indices, n, tokens, paths, levels)
         return Candidates(self.node_tokens, self.tree)
 
     def complete(self, values: list[torch.Tensor], value: torch.Tensor) -> bool:
@@ -447,45 +515,13 @@ class DynamicDraftLayerProposer(DraftLayerProposer):
             rates.append(expected / step_ms[n - 1])
         return max(rates[: settled + 1]) > max(rates[settled + 1:], default=float("-inf"))
 
-    def size(self, ordered: list[float], matched: float) -> int:
-        """The step's tree size, root included, for the candidates' probabilities `ordered` (best first, summed over
-        the rows still generating): `nodes`, or with step costs the size with the most expected tokens per ms."""
-        most = min(self.dynamic.nodes, len(ordered) + 1)
-        step_ms = self.dynamic.step_ms
-        if step_ms is None:
-            return most
-        scale = (matched + CALIBRATION_PRIOR) / (self.foretold + CALIBRATION_PRIOR)
-        expected = self.rows_going  # each row's own token
-        best, best_rate = 1, expected / step_ms[0]
-        for n in range(2, most + 1):
-            expected += scale * ordered[n - 2]
-            if expected / step_ms[n - 1] > best_rate:
-                best, best_rate = n, expected / step_ms[n - 1]
-        return best
-
     def update(self, step: StepResult) -> None:
         super().update(step)
-        # Evidence for the scale: how deep each row's emitted tokens (the accepted ones and the bonus: the base model's
-        # own) run along this step's tree, whichever candidates the pass verified (a lookup chain's, say).
-        if self.tree.num_nodes > 1:
-            paths = self.tree.node_paths[:, :, 1:]  # [B, N, depth]: each row's tree
-            # What each row emitted (its accepted tokens and the bonus, cut at eos or the budget: the host's lists),
-            # padded with -1 to the tree's depth.
-            width = paths.shape[2]
-            emitted = torch.tensor([(tokens + [-1] * width)[:width] for tokens in step.host.emitted],
-                                   device=paths.device)
-            below = torch.arange(width, device=paths.device) < self.tree.depth[:, :, None]  # [B, N, depth]
-            path_tokens = self.node_tokens.gather(1, paths.flatten(1)).view_as(paths)
-            agree = (path_tokens == emitted[:, None, :]) | ~below  # [B, N, depth]
-            reached = (agree.all(-1) * self.tree.depth).amax(-1)  # [B]: the deepest node on the emitted path
-            self.matched = self.matched + (reached * step.active).sum()
-            self.foretold += self.foretold_now
-        self.going = step.going.to(self.going.dtype)
-        self.rows_going = sum(step.host.going)
+        self.sized_update(step, self.tree, self.node_tokens)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         super().keep_rows(rows)
-        self.going = self.going[rows]
+        self.keep_sizing(rows)
 
     def finish(self, stats: GenerationStats) -> None:
         stats.tree_sizes = self.sizes
