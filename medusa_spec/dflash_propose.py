@@ -4,8 +4,9 @@ Each step the draft drafts one block: the root as anchor at its own position, af
 position's auxiliary states. Its slots are drafted in one pass, none seeing another's token, so each is a marginal
 guess for one depth, as a plain Medusa head's is: depth d takes slot d (slot d - 1 with sample_from_anchor), and a
 tree is laid out from the slots' top-k lists as Medusa heads' trees are (default: the chain of each slot's argmax,
-as deep as the block drafts). The candidates are guesses the base model's own draws are checked against (the tree
-rule, accept.accept), so greedy output is the base model's and sampled output is distributed as the base model's.
+as deep as the block drafts), or as a DynamicTree chosen each step from the slots' probabilities. The candidates
+are guesses the base model's own draws are checked against (the tree rule, accept.accept), so greedy output is the
+base model's and sampled output is distributed as the base model's.
 
 State from step to step: the context alone, every draft layer's keys and values of it (dflash.DFlashContext),
 extended after each verify pass by the accepted positions' states; the block's own keys and values are the step's.
@@ -22,9 +23,9 @@ from .columnwise import columnwise_copy
 from .dflash import DFlashContext, DFlashDraft, _check_base
 from .inputs import resolve_sampling, special_tokens
 from .loop import StepTimer, Streamer, decode
-from .output import GenerateOutput
-from .propose import Candidates, Prompt, Proposer, RootOnly, StepResult
-from .tree import DynamicTree, MedusaTree, build_tree
+from .output import GenerateOutput, GenerationStats
+from .propose import Candidates, DynamicSizing, Prompt, Proposer, RootOnly, StepResult, ranked_tree
+from .tree import DynamicTree, MedusaTree, build_tree, chain_tree
 
 
 class DFlashProposer(Proposer):
@@ -77,6 +78,70 @@ class DFlashProposer(Proposer):
         self.next_pos = self.next_pos[rows]
 
 
+class DynamicDFlashProposer(DynamicSizing, DFlashProposer):
+    """A DFlash draft on a DynamicTree: each step's tree is its best candidates by path probability, as EAGLE-2 ranks
+    eagle heads' (the size from step costs and a calibration: DynamicSizing). The block's slots are drafted without
+    seeing one another, so a path's probability is the product of its tokens' probabilities at their slots, and the
+    children of every node at depth d are slot d's top_k tokens: a beam search over the slots' top-k lists, with no
+    draft pass between levels, gives the candidates; every drafted slot is a level."""
+
+    def __init__(self, draft: DFlashDraft, tree: DynamicTree):
+        super().__init__(draft, dflash_tree(draft, None))  # every drafted slot
+        self.dynamic = tree
+
+    def start(self, prompt: Prompt) -> None:
+        super().start(prompt)
+        self.start_sizing(prompt.root)
+
+    def propose(self, root: torch.Tensor) -> Candidates:
+        top_k, beam, depth = self.dynamic.top_k, self.dynamic.beam, self.max_depth
+        logits = self.draft.project(self.draft(self.context, root, self.next_pos)[:, self.slots])  # [B, D, V']
+        logp = logits.float().log_softmax(-1)
+        # A NaN (overflowing logits) as -inf: it ranks last, where torch's sorts put it first.
+        top = logp.masked_fill(logp.isnan(), float("-inf")).topk(min(top_k, logp.shape[-1]), dim=-1)
+        slot_tokens = self.draft.token_ids(top.indices)  # [B, D, k]
+        rows, k = root.shape[0], top.indices.shape[-1]
+        beam_logp = torch.zeros(rows, 1, device=root.device)  # [B, n]: the beam's path log-probabilities
+        beam_value = beam_paths = None
+        tokens, values, paths, levels, count = [], [], [], [], 0
+        for d in range(1, depth + 1):
+            path_logp = (beam_logp[:, :, None] + top.values[:, d - 1, None, :]).flatten(1)  # [B, n * k]
+            index = torch.arange(count, count + path_logp.shape[1], device=root.device)
+            value = path_logp.exp()
+            if beam_value is None:
+                path = index[None, :, None].expand(rows, -1, depth).clone()
+            else:  # never above its parent (rounding), so the best candidates always hold their parents
+                value = torch.minimum(value, beam_value.repeat_interleave(k, dim=1))
+                path = beam_paths.repeat_interleave(k, dim=1)
+                path[:, :, d - 1:] = index[:, None]
+            tokens.append(slot_tokens[:, d - 1, None, :].expand(-1, beam_logp.shape[1], -1).flatten(1))
+            values.append(value)
+            paths.append(path)
+            count += path_logp.shape[1]
+            levels.append(count)
+            kept = value.topk(min(beam, value.shape[1]), dim=1).indices  # [B, beam]: each row's own
+            beam_logp, beam_value = path_logp.gather(1, kept), value.gather(1, kept)
+            beam_paths = path.gather(1, kept[:, :, None].expand(-1, -1, depth))
+        order = self.chosen_size(torch.cat(values, dim=1))
+        n = self.sizes[-1]
+        if n == 1:
+            self.tree, self.node_tokens = chain_tree(0).to(root.device), root[:, None]
+        else:
+            self.tree, self.node_tokens = ranked_tree(root, order.indices, n, tokens, paths, levels)
+        return Candidates(self.node_tokens, self.tree)
+
+    def update(self, step: StepResult) -> None:
+        super().update(step)
+        self.sized_update(step, self.tree, self.node_tokens)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        super().keep_rows(rows)
+        self.keep_sizing(rows)
+
+    def finish(self, stats: GenerationStats) -> None:
+        stats.tree_sizes = self.sizes
+
+
 def dflash_tree(draft: DFlashDraft, tree: list[list[int]] | None) -> MedusaTree:
     """`tree`'s rank paths as a MedusaTree for `draft` (None: the chain of every drafted slot's argmax), refused where
     it is deeper than the slots the block drafts or ranks past the draft vocabulary."""
@@ -84,9 +149,6 @@ def dflash_tree(draft: DFlashDraft, tree: list[list[int]] | None) -> MedusaTree:
     slots = config.block_size - config.drafted_slots.start
     if tree is None:
         return build_tree([[0] * depth for depth in range(1, slots + 1)])
-    if isinstance(tree, DynamicTree):
-        raise ValueError("a DynamicTree needs eagle heads, which draft each level from the one above; a DFlash block "
-                         "drafts every depth at once: give rank paths, e.g. [[0], [1], [0, 0]], or None for the chain")
     if isinstance(tree, (list, tuple)):
         deepest = max((len(path) for path in tree if isinstance(path, (list, tuple))), default=0)
         if deepest > slots:
@@ -116,7 +178,7 @@ def generate_with_dflash(base_model: nn.Module, draft: DFlashDraft, input_ids: t
                          attention_mask: torch.Tensor | None = None, max_new_tokens: int | None = None,
                          do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                          top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                         pad_token_id: int | None = None, tree: list[list[int]] | None = None,
+                         pad_token_id: int | None = None, tree: list[list[int]] | DynamicTree | None = None,
                          streamer: Streamer | None = None, timer: StepTimer | None = None,
                          generation_config: GenerationConfig | None = None) -> GenerateOutput:
     """Lossless speculative generation with a speculators DFlash draft (`load_dflash(path, base_model)`);
@@ -124,14 +186,18 @@ def generate_with_dflash(base_model: nn.Module, draft: DFlashDraft, input_ids: t
 
     `tree`: rank paths over the block's slots (path [r1, r2]: slot 1's rank-r1 token, then slot 2's rank-r2 one), at
     most as deep as the draft drafts (block_size - 1; block_size with sample_from_anchor); None (default) the chain
-    of every slot's argmax, as vLLM verifies a DFlash block; `[]` turns speculation off. Other arguments as in
-    MedusaModel.generate.
+    of every slot's argmax, as vLLM verifies a DFlash block; `[]` turns speculation off; a DynamicTree: each step's
+    tree of its best candidates by path probability (DynamicDFlashProposer; `stats.tree_sizes` the sizes run).
+    Other arguments as in MedusaModel.generate.
     """
     spec = inspect_base_model(base_model)
     check_dflash_draft(base_model, draft)
-    layout = dflash_tree(draft, tree)
+    if isinstance(tree, DynamicTree):
+        proposer = DynamicDFlashProposer(draft, tree)
+    else:
+        layout = dflash_tree(draft, tree)
+        proposer = RootOnly() if layout.num_nodes == 1 else DFlashProposer(draft, layout)
     sampling = resolve_sampling(base_model, do_sample, temperature, top_k, top_p, generation_config)
     eos, pad = special_tokens(base_model, eos_token_id, pad_token_id, generation_config)
-    proposer = RootOnly() if layout.num_nodes == 1 else DFlashProposer(draft, layout)
     return decode(base_model, spec, proposer, input_ids, attention_mask, max_new_tokens, sampling, eos, pad, streamer,
                   timer, generation_config=generation_config)

@@ -6,7 +6,9 @@ model's; bad drafts and trees refused; the user's model and draft left as they w
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from medusa_spec import DynamicTree, MedusaModel, Sampling, generate_with_dflash
 from medusa_spec.dflash import DFlashConfig, DFlashDraft, block_logits, context_features, load_dflash
-from medusa_spec.dflash_propose import DFlashProposer, dflash_tree
+from medusa_spec.dflash_propose import DFlashProposer, DynamicDFlashProposer, dflash_tree
 from medusa_spec.propose import Prompt, StepResult
 from medusa_spec.verify import base_features
 from test_sampling import NEW, ROWS, VOCAB, chi_square_p_value, exact_joint, triple_counts
@@ -53,7 +55,7 @@ def random_draft(base, block_size=4, seed=0, sample_from_anchor=False) -> DFlash
 
 # --- greedy: the base model's own output ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [None, TREE, DynamicTree(6)], ids=["chain", "tree", "dynamic"])
 @pytest.mark.parametrize("name", DRAFTS)
 def test_greedy_output_is_the_base_models(verifier, name, tree):
     draft = load_dflash(FIXTURES / name, verifier)
@@ -62,8 +64,10 @@ def test_greedy_output_is_the_base_models(verifier, name, tree):
     expected = reference(verifier, ids)
     assert torch.equal(out.sequences, expected)
     assert out.sequences.shape[1] == 34  # no eos: all 24 tokens compared
-    depth = 3 if tree else draft.config.block_size - draft.config.drafted_slots.start
+    depth = 3 if isinstance(tree, list) else draft.config.block_size - draft.config.drafted_slots.start
     assert len(out.stats.accepted_at_depth) == depth
+    if isinstance(tree, DynamicTree):
+        assert set(out.stats.tree_sizes) == {6}  # no step costs: every step its `nodes`
 
 
 @pytest.mark.parametrize("name", DRAFTS)
@@ -72,8 +76,9 @@ def test_a_left_padded_batch_is_the_base_models_batch(verifier, name):
     text = EXPECTED["texts"][0]
     ids = torch.tensor([text[:11], [0] * 4 + text[2:9]])
     mask = (torch.arange(11) >= torch.tensor([[0], [4]])).long()
-    out = generate_with_dflash(verifier, draft, ids, mask, max_new_tokens=20, tree=TREE)
-    assert torch.equal(out.sequences, reference(verifier, ids, mask, new=20))
+    for tree in (TREE, DynamicTree(5, top_k=2, beam=2)):
+        out = generate_with_dflash(verifier, draft, ids, mask, max_new_tokens=20, tree=tree)
+        assert torch.equal(out.sequences, reference(verifier, ids, mask, new=20))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
@@ -123,6 +128,53 @@ def test_the_chain_is_the_block_speculators_drafts(verifier, name):
                 chain = proposer.propose(ids[:, anchor]).node_tokens[0]
             drafted = len(chain) - 1
             assert chain[0] == text[anchor] and chain[1:].tolist() == expected["tokens"][anchor][-drafted:]
+
+
+def test_a_dynamic_tree_holds_the_paths_of_highest_probability():
+    """With a beam that keeps every path, each row's tree is the n - 1 rank paths with the highest product of their
+    slots' probabilities (a brute force over every path 3 deep), each with its tokens; per row in a batch."""
+    base = tiny_model("llama", vocab_size=12)
+    draft = random_draft(base, block_size=4, seed=2)
+    proposer = DynamicDFlashProposer(draft, DynamicTree(7, top_k=3, beam=27))
+    # A random draft's slots rank the tokens much alike: a bias per slot (on the proposer's own copy) sets them apart,
+    # so that a slot's tokens at another depth show.
+    bias, project = torch.randn(4, 12, generator=torch.Generator().manual_seed(0)) * 2, proposer.draft.project
+    proposer.draft.project = lambda states: project(states) + bias[-states.shape[1]:]
+    ids = torch.tensor([[3, 5, 4, 1, 7], [9, 2, 2, 6, 1]])
+    with torch.no_grad():
+        states = base(ids, output_hidden_states=True).hidden_states
+        hidden = base_features(states, proposer.feature_layers)
+        proposer.start(Prompt(ids[:, :4], torch.ones(2, 4, dtype=torch.bool), hidden[:, :4], ids[:, 4], None))
+        candidates = proposer.propose(ids[:, 4])
+        slots = proposer.draft.project(proposer.draft(proposer.context, ids[:, 4], proposer.next_pos))
+    probs = slots[:, 1:].float().softmax(-1)  # [B, 3 drafted slots, V]
+    assert all(len({tuple(t) for t in probs[row].topk(3, dim=-1).indices.tolist()}) == 3 for row in range(2))
+    tree = candidates.tree
+    for row in range(2):
+        top = probs[row].topk(3, dim=-1)
+        paths = [p for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+        value = {p: math.prod(top.values[d, r].item() for d, r in enumerate(p)) for p in paths}
+        best = sorted(paths, key=value.get, reverse=True)[:6]
+        want = {tuple(top.indices[d, r].item() for d, r in enumerate(p)) for p in best}
+        got = set()
+        for node in range(1, 7):
+            depth = int(tree.depth[row, node])
+            got.add(tuple(candidates.node_tokens[row, tree.node_paths[row, node, 1: depth + 1]].tolist()))
+        assert got == want
+        assert torch.equal(tree.parent[row, 1:] < torch.arange(1, 7), torch.ones(6, dtype=torch.bool))
+
+
+def test_step_costs_size_the_dynamic_tree_and_the_output_stays_the_base_models():
+    """step_ms that make every extra node cost more than it could add: the root alone each step, the same output;
+    nodes that cost nothing: the whole tree."""
+    base = tiny_model("llama", vocab_size=6)
+    draft = random_draft(base)
+    ids = torch.tensor([[3, 5, 4, 1, 5, 4, 3]])
+    expected = reference(base, ids, new=16)
+    dear = generate_with_dflash(base, draft, ids, max_new_tokens=16, tree=DynamicTree(4, step_ms=(1.0, 9.0, 9, 9)))
+    cheap = generate_with_dflash(base, draft, ids, max_new_tokens=16, tree=DynamicTree(4, step_ms=(1.0, 1, 1, 1)))
+    assert torch.equal(dear.sequences, expected) and torch.equal(cheap.sequences, expected)
+    assert set(dear.stats.tree_sizes) == {1} and set(cheap.stats.tree_sizes) == {4}
 
 
 # --- the kept context is the whole context ---------------------------------------------------------------------------
@@ -202,8 +254,6 @@ def test_bad_drafts_and_trees_are_refused(verifier):
         generate_with_dflash(verifier, draft, ids, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
     with pytest.raises(ValueError, match="outside the top-40 candidates"):
         generate_with_dflash(verifier, draft, ids, tree=[[40]])
-    with pytest.raises(ValueError, match="DynamicTree needs eagle heads.*DFlash block drafts every depth at once"):
-        generate_with_dflash(verifier, draft, ids, tree=DynamicTree(8))
     with pytest.raises(ValueError, match="speculators_model_type 'dflash' is not supported.*generate_with_dflash"):
         MedusaModel.from_pretrained(verifier, FIXTURES / "qwen3-1-layer")
 
