@@ -23,7 +23,7 @@ from .model import MedusaModel
 from .slots import last_position
 from .train.cli import add_train_commands
 from .train.server import ServerError
-from .tree import default_tree, grow_tree
+from .tree import DynamicTree, default_tree, grow_tree
 
 
 def _sampling_kwargs(args) -> dict:
@@ -157,9 +157,6 @@ def _check_dflash_options(args, uses_draft: bool) -> None:
     if args.lookup:
         raise ValueError("--lookup adds candidates to the heads' tree; it does not combine with a DFlash draft: drop "
                          "one")
-    if isinstance(args.tree, int):
-        raise ValueError("--tree N grows a tree from heads' measured accuracies; with --dflash give JSON rank paths "
-                         "(depth d takes the block's slot d), 'off', or leave --tree out for the chain of its block")
     if getattr(args, "compile", False):
         raise ValueError("--compile compiles the heads' verify pass; a DFlash draft decodes eagerly: drop --compile")
 
@@ -177,7 +174,8 @@ def load_speculation(args):
     """generate's and chat's model and proposer from the model, proposer and speculation options: returns
     speculate(ids, streamer) -> GenerateOutput, the MedusaModel and the tokenizer."""
     _check_proposer_options(args)
-    dflash_tree = None if args.tree == "auto" else args.tree  # the draft's: load() resolves --tree for the heads
+    # The draft's tree (load() resolves --tree for the heads): N nodes each step, its best by its own probabilities.
+    dflash_tree = DynamicTree(args.tree) if isinstance(args.tree, int) else None if args.tree == "auto" else args.tree
     if args.dflash is not None:
         args.tree = None
     mm, tokenizer = load(args, heads_tree=args.draft_model is None and args.self_draft_layers is None

@@ -164,8 +164,9 @@ FLAGS = {
     "draft_model": Flag("a draft model with the base's vocabulary: generate and chat speculate with it instead of "
                         "the heads; bench adds the draft_model method", metavar="DIR", unset="none"),
     "dflash": Flag("a speculators DFlash draft folder for the model (train --head-type dflash writes one): generate "
-                   "and chat speculate with it instead of the heads (--tree: its rank paths, 'off', or left out for "
-                   "the chain of its block), bench adds the dflash method; it drafts eagerly", metavar="DIR",
+                   "and chat speculate with it instead of the heads (--tree: its rank paths, N for each step's N best "
+                   "nodes by its probabilities, 'off', or left out for the chain of its block), bench adds the "
+                   "dflash method; it drafts eagerly", metavar="DIR",
                    unset="none"),
     "self_draft_layers": Flag("a draft made of the model's first N layers (Llama, Qwen2, Gemma): generate and chat "
                               "speculate with it instead of the heads; bench's self_draft method uses it",

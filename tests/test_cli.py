@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from medusa_spec.cli import build_parser, main
 from medusa_spec.inputs import resolve_sampling
+from medusa_spec.tree import DynamicTree
 from tiny_models import VOCAB, tiny_model
 
 
@@ -600,8 +601,9 @@ def test_compile_flag_compiles_generate_and_bench(model_dir, tmp_path, capsys, m
 
 
 def test_generate_and_chat_speculate_with_a_dflash_draft(model_dir, tmp_path, monkeypatch, capsys):
-    """--dflash DIR: the draft's blocks, not the heads, through generate_with_dflash, with --tree as its rank paths
-    (left out: its chain); the greedy text is the base model's. Options of the heads or a draft model are refused."""
+    """--dflash DIR: the draft's blocks, not the heads, through generate_with_dflash, with --tree as its rank paths or N
+    (a DynamicTree; left out: its chain); the greedy text is the base model's. Options of the heads or a draft model
+    are refused."""
     import medusa_spec.cli as cli
     from medusa_spec.dflash import new_dflash, save_dflash
 
@@ -614,11 +616,13 @@ def test_generate_and_chat_speculate_with_a_dflash_draft(model_dir, tmp_path, mo
     assert "identical: True" in capsys.readouterr().err and trees == [None]
     assert main(["generate", "w5 w9 w11 w7", *common, "--tree", "[[0], [1], [0, 0]]"]) == 0
     assert trees[-1] == [[0], [1], [0, 0]]
+    assert main(["generate", "w5 w9 w11 w7", *common, "--tree", "5", "--compare"]) == 0
+    assert trees[-1] == DynamicTree(5) and "identical: True" in capsys.readouterr().err
     said = iter(["w5 w9 w11", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(said))
     assert main(["chat", *common]) == 0 and trees[-1] is None
     capsys.readouterr()
-    for extra, named in [(["--lookup", "4"], "--lookup"), (["--tree", "8"], "--tree N"),
-                         (["--draft-model", str(model_dir)], "--draft-model"), (["--compile"], "--compile")]:
+    for extra, named in [(["--lookup", "4"], "--lookup"), (["--draft-model", str(model_dir)], "--draft-model"),
+                         (["--compile"], "--compile")]:
         assert main(["generate", "w5", *common, *extra]) == 2
         assert named in capsys.readouterr().err, extra
