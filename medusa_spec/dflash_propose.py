@@ -92,6 +92,7 @@ class DynamicDFlashProposer(DynamicSizing, DFlashProposer):
     def start(self, prompt: Prompt) -> None:
         super().start(prompt)
         self.start_sizing(prompt.root)
+        self.root_alone = chain_tree(0).to(prompt.root.device)  # a step's tree where no candidate pays
 
     def propose(self, root: torch.Tensor) -> Candidates:
         top_k, beam, depth = self.dynamic.top_k, self.dynamic.beam, self.max_depth
@@ -125,7 +126,7 @@ class DynamicDFlashProposer(DynamicSizing, DFlashProposer):
         order = self.chosen_size(torch.cat(values, dim=1))
         n = self.sizes[-1]
         if n == 1:
-            self.tree, self.node_tokens = chain_tree(0).to(root.device), root[:, None]
+            self.tree, self.node_tokens = self.root_alone, root[:, None]
         else:
             self.tree, self.node_tokens = ranked_tree(root, order.indices, n, tokens, paths, levels)
         return Candidates(self.node_tokens, self.tree)
