@@ -23,7 +23,7 @@ from .columnwise import columnwise_copy
 from .dflash import DFlashContext, DFlashDraft, _check_base
 from .inputs import resolve_sampling, special_tokens
 from .loop import StepTimer, Streamer, decode
-from .output import GenerateOutput, GenerationStats
+from .output import GenerateOutput
 from .propose import Candidates, DynamicSizing, Prompt, Proposer, RootOnly, StepResult, ranked_tree
 from .tree import DynamicTree, MedusaTree, build_tree, chain_tree
 
@@ -91,7 +91,6 @@ class DynamicDFlashProposer(DynamicSizing, DFlashProposer):
 
     def start(self, prompt: Prompt) -> None:
         super().start(prompt)
-        self.start_sizing(prompt.root)
         self.root_alone = chain_tree(0).to(prompt.root.device)  # a step's tree where no candidate pays
 
     def propose(self, root: torch.Tensor) -> Candidates:
@@ -130,17 +129,6 @@ class DynamicDFlashProposer(DynamicSizing, DFlashProposer):
         else:
             self.tree, self.node_tokens = ranked_tree(root, order.indices, n, tokens, paths, levels)
         return Candidates(self.node_tokens, self.tree)
-
-    def update(self, step: StepResult) -> None:
-        super().update(step)
-        self.sized_update(step, self.tree, self.node_tokens)
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        super().keep_rows(rows)
-        self.keep_sizing(rows)
-
-    def finish(self, stats: GenerationStats) -> None:
-        stats.tree_sizes = self.sizes
 
 
 def dflash_tree(draft: DFlashDraft, tree: list[list[int]] | None) -> MedusaTree:

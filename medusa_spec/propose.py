@@ -309,13 +309,15 @@ CALIBRATION_PRIOR = 8.0
 class DynamicSizing:
     """A DynamicTree's size each step, for the proposers that draft one (eagle heads', DFlash's): `nodes`, or with step
     costs the size with the most expected tokens per ms, the candidates' probabilities scaled by how well they have
-    foretold the tokens the trees' nodes matched so far in the call. The proposer sets `dynamic` (its DynamicTree),
-    calls start_sizing at start, chosen_size on its ranked candidates, sized_update after each verify pass and
-    keep_sizing for rows kept."""
+    foretold the tokens the trees' nodes matched so far in the call. Mixed in before the proposer's class (its start,
+    update and keep_rows run first, then these'); the proposer sets `dynamic` (its DynamicTree), calls chosen_size on
+    its ranked candidates and keeps the step's `tree` and `node_tokens`."""
 
     dynamic: DynamicTree
 
-    def start_sizing(self, root: torch.Tensor) -> None:
+    def start(self, prompt: Prompt) -> None:
+        super().start(prompt)
+        root = prompt.root
         rows = root.shape[0]
         # float: it weighs the rows' probabilities (a row done at prefill, its first token eos, weighs one step)
         self.going = torch.ones(rows, device=root.device)
@@ -352,10 +354,12 @@ class DynamicSizing:
                 best, best_rate = n, expected / step_ms[n - 1]
         return best
 
-    def sized_update(self, step: StepResult, tree: Tree, node_tokens: torch.Tensor) -> None:
+    def update(self, step: StepResult) -> None:
         """Evidence for the scale: how deep each row's emitted tokens (the accepted ones and the bonus: the base
-        model's own) run along this step's tree (`tree`, its `node_tokens`), whichever candidates the pass verified (a
+        model's own) run along this step's tree (its `node_tokens`), whichever candidates the pass verified (a
         lookup chain's, say)."""
+        super().update(step)
+        tree, node_tokens = self.tree, self.node_tokens
         if tree.num_nodes > 1:
             paths = tree.node_paths[:, :, 1:]  # [B, N, depth]: each row's tree
             # What each row emitted (its accepted tokens and the bonus, cut at eos or the budget: the host's lists),
@@ -372,8 +376,13 @@ class DynamicSizing:
         self.going = step.going.to(self.going.dtype)
         self.rows_going = sum(step.host.going)
 
-    def keep_sizing(self, rows: torch.Tensor) -> None:
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        super().keep_rows(rows)
         self.going = self.going[rows]
+
+    def finish(self, stats: GenerationStats) -> None:
+        super().finish(stats)
+        stats.tree_sizes = self.sizes
 
 
 def ranked_tree(root: torch.Tensor, order: torch.Tensor, n: int, tokens: list[torch.Tensor],
@@ -417,10 +426,6 @@ class DynamicDraftLayerProposer(DynamicSizing, DraftLayerProposer):
         super().__init__(base_model, heads, chain_tree(0), graphs)
         self.dynamic = tree
         self.max_depth = heads.num_heads
-
-    def start(self, prompt: Prompt) -> None:
-        super().start(prompt)
-        self.start_sizing(prompt.root)
 
     def propose(self, root: torch.Tensor) -> Candidates:
         heads, slots, top_k, device = self.heads, self.slots, self.dynamic.top_k, root.device
@@ -515,16 +520,6 @@ class DynamicDraftLayerProposer(DynamicSizing, DraftLayerProposer):
             rates.append(expected / step_ms[n - 1])
         return max(rates[: settled + 1]) > max(rates[settled + 1:], default=float("-inf"))
 
-    def update(self, step: StepResult) -> None:
-        super().update(step)
-        self.sized_update(step, self.tree, self.node_tokens)
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        super().keep_rows(rows)
-        self.keep_sizing(rows)
-
-    def finish(self, stats: GenerationStats) -> None:
-        stats.tree_sizes = self.sizes
 
 
 def heads_proposer(base_model: nn.Module, heads: nn.Module | None, tree: MedusaTree | DynamicTree,
