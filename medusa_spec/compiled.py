@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import sys
 import time
@@ -132,7 +133,7 @@ class CompiledSteps:
 
     def __init__(self):
         self.model: nn.Module | None = None
-        self.source: tuple | None = None  # (the base model's id, its tensors' ids and shapes)
+        self.source: tuple | None = None  # (the base model's id, its config, its tensors' ids and shapes)
         self.signature: torch.Tensor | None = None
         self.feature_layers: tuple[int, ...] = ()  # the base's layers whose states the graphs give
         self.run = None  # the compiled forward
@@ -152,13 +153,16 @@ class CompiledSteps:
                 heads: nn.Module | None = None, packs=None) -> None:
         """Ready the graphs for `base_model` as it is now, giving the final hidden state and `feature_layers`' states
         (the heads' feature layers: every proposer of theirs reads those or none): kept where the weights are the
-        ones they froze (the same tensors holding the same values), else dropped and compiled again at their first
-        call. Heads with a draft layer (eagle, eagle3): its graphs too (self.draft), its linear layers computing from
-        `packs` (columnwise.PackedWeights) where given."""
+        ones they froze (the same tensors holding the same values) and the config the same, else dropped and compiled
+        again at their first call. Heads with a draft layer (eagle, eagle3): its graphs too (self.draft), its linear
+        layers computing from `packs` (columnwise.PackedWeights) where given."""
         if getattr(heads, "draft_layer", None) is not None:
             self.draft.prepare(heads, packs)
         tensors = list(itertools.chain(base_model.parameters(), base_model.buffers()))
-        source = (id(base_model), spec, feature_layers, tuple((id(t), tuple(t.shape), t.dtype) for t in tensors))
+        # The config too: the graphs do not guard on what the model reads from it (_guards_on_arguments), and a
+        # setting read at run time (Gemma's final_logit_softcapping) changes what the model computes.
+        source = (id(base_model), spec, feature_layers, repr(base_model.config.to_dict()),
+                  tuple((id(t), tuple(t.shape), t.dtype) for t in tensors))
         signature = _signature(tensors, self.probes)
         if self.run is not None and source == self.source and torch.equal(signature, self.signature):
             return
@@ -174,7 +178,9 @@ class CompiledSteps:
         self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), output_hidden_states=True,
                    use_cache=False)
         self.source, self.signature, self.feature_layers, self.shapes = source, signature, feature_layers, set()
-        self.run = torch.compile(_forward_of(self.model, spec, feature_layers), fullgraph=True, dynamic=False)
+        self.run = torch.compile(_forward_of(self.model, spec, feature_layers), fullgraph=True, dynamic=False,
+                                 options={"guard_filter_fn": _guards_on_arguments("input_ids", "position_ids", "mask",
+                                                                                  "cache")})
         self.options = compile_options(device, base_model.get_output_embeddings().weight.dtype)
 
     def forward_block(self, spec: BaseSpec, input_ids: torch.Tensor, q_pos: torch.Tensor, block_mask: torch.Tensor,
@@ -228,7 +234,9 @@ class DraftGraphs:
             return
         self.layer = columnwise_copy(heads.draft_layer, packs=packs, eval_mode=True)
         self.source, self.signature, self.shapes = source, signature, set()
-        self.run = torch.compile(_draft_forward_of(self.layer), fullgraph=True, dynamic=False)
+        self.run = torch.compile(_draft_forward_of(self.layer), fullgraph=True, dynamic=False,
+                                 options={"guard_filter_fn": _guards_on_arguments("states", "next_embeds", "positions",
+                                                                                  "mask", "cache")})
         weight = heads.draft_layer.fc.weight
         self.options = compile_options(weight.device, weight.dtype)
         if weight.device.type == "cpu":
@@ -254,6 +262,23 @@ def _draft_forward_of(layer: nn.Module):
 
     return types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
                               forward.__closure__)
+
+
+def _guards_on_arguments(*arguments: str):
+    """A guard filter for torch.compile that keeps the guards on the graph's arguments (their shapes, strides, dtypes,
+    the cache's structure) and on torch's global state, and drops those on everything else it read: the model copy it
+    closes over, that copy's classes and the modules' globals. The copy is this module's own and its weights are frozen
+    into the graph, so they cannot change under it (prepare compiles anew where the caller's weights change), and a
+    graph computes the model as it was prepared, whatever transformers' registries hold later. Those guards were most
+    of the 7,580 dynamo checked before each one-row verify pass of SmolLM2-135M, about 2 ms of a 20 ms step
+    (experiments/2026-12-07-guards/NOTES.md)."""
+    named = re.compile(rf"\b({'|'.join(arguments)})\b")
+
+    def keep(entries) -> list[bool]:
+        return [entry.guard_type in ("GLOBAL_STATE", "SHAPE_ENV") or bool(named.search(entry.name))
+                for entry in entries]
+
+    return keep
 
 
 def _signature(tensors: list[torch.Tensor], probes: dict[tuple, torch.Tensor]) -> torch.Tensor:

@@ -182,6 +182,50 @@ def test_changed_weights_are_compiled_again():
     assert len(mm._compiled.shapes) == 1  # the same weights again: nothing compiled again
 
 
+def test_a_changed_config_setting_is_compiled_again():
+    """The graphs guard on their arguments alone (compiled._guards_on_arguments), not on what the model reads from its
+    config: a setting the forward reads at run time (Gemma's final logit softcapping) compiles the graphs again at
+    the next call, as for changed weights. Before, dynamo's own guard on it recompiled outside the raised recompile
+    limit, and the call failed."""
+    model = tiny_model("gemma3")
+    mm = medusa(model, share_lm_head=False)
+    ids = prompt(seed=4)
+    mm.generate(ids, max_new_tokens=5, eos_token_id=[], tree=[], compile=True)
+    first = mm._compiled.run
+    model.config.final_logit_softcapping = 0.5
+    expected = reference_generate(model, ids, max_new_tokens=20, eos_token_id=None)
+    out = mm.generate(ids, max_new_tokens=20, eos_token_id=[], tree=[], compile=True)
+    assert torch.equal(out.sequences, expected)
+    assert mm._compiled.run is not first
+
+
+def test_a_graph_guards_its_arguments_not_the_frozen_model(monkeypatch):
+    """Before every call dynamo checks each guard of a graph: on SmolLM2-135M 7,580 of them, mostly on the model copy
+    whose weights the graph froze, about 1 ms of a 20 ms step. The graphs keep those on their arguments (shapes,
+    strides, the cache's layout) and torch's global state; a new shape still compiles its own graph."""
+    seen = []
+    choose = compiled._guards_on_arguments
+
+    def recorded(*arguments):
+        keep = choose(*arguments)
+        return lambda entries: seen.append((entries, keep(entries))) or seen[-1][1]
+
+    monkeypatch.setattr(compiled, "_guards_on_arguments", recorded)
+    model = tiny_model("llama")
+    mm = eagle_heads(model, num_heads=2, head_type="eagle", seed=1)
+    mm.generate(prompt(seed=5)[:, :10], max_new_tokens=12, eos_token_id=[], tree=DynamicTree(4), compile=True)
+    assert len(seen) >= 2  # the verify graphs and the draft layer's
+    for entries, keep in seen:
+        kept = [entry for entry, flag in zip(entries, keep) if flag]
+        assert 0 < len(kept) < len(entries) / 4, (len(kept), len(entries))
+        assert not any(entry.name.startswith(("model", "layer")) for entry in kept)  # the closed-over copies
+        assert any(entry.name.startswith("cache") and entry.guard_type == "TENSOR_MATCH" for entry in kept)
+    ids = prompt(seed=5)[:, :10].repeat(2, 1)  # two rows: a new shape, its own graph
+    out = mm.generate(ids, max_new_tokens=12, eos_token_id=[], tree=[], compile=True)
+    assert (2, 1) in mm._compiled.shapes
+    assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=12, eos_token_id=None))
+
+
 def test_compiling_leaves_the_callers_model_as_it_was():
     model = tiny_model("llama").train()
     before = module_state(model)
