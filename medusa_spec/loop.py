@@ -20,7 +20,7 @@ from torch import nn
 from .accept import Sampling, accept_candidates, draw_targets
 from .base import BaseSpec
 from .columnwise import PackedWeights, columnwise_copy
-from .compiled import CompiledSteps, adopt
+from .compiled import CompiledSteps
 from .inputs import prepare_inputs
 from .kv_cache import new_cache
 from .output import GenerateOutput, GenerationStats, SequenceWriter, stream
@@ -134,9 +134,8 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # 1. Prefill: the prompt is a chain; its last logits give the first token (the first root).
-        logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position, layers)
-        if compiled is not None:
-            slots.cache = adopt(slots.cache, slots.past + max_new_tokens)
+        logits, hidden, slots = prefill(base_model, spec, input_ids, attention_mask, new_cache(), max_position, layers,
+                                        compiled, max_new_tokens)
         root = draw_targets(logits, sampling)[:, -1]
         count = writer.append(root[:, None], torch.ones(batch, dtype=torch.long, device=device))
         stats.steps = 1
