@@ -270,7 +270,7 @@ def _guards_on_arguments(*arguments: str):
     closes over, that copy's classes and the modules' globals. The copy is this module's own and its weights are frozen
     into the graph, so they cannot change under it (prepare compiles anew where the caller's weights change), and a
     graph computes the model as it was prepared, whatever transformers' registries hold later. Those guards were most
-    of the 7,580 dynamo checked before each one-row verify pass of SmolLM2-135M, about 2 ms of a 20 ms step
+    of the 7,580 dynamo checked before each one-row verify pass of SmolLM2-135M, about 1 ms of a 20 ms pass
     (experiments/2026-12-07-guards/NOTES.md)."""
     named = re.compile(rf"\b({'|'.join(arguments)})\b")
 
