@@ -98,7 +98,6 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         hidden = torch.randn(batch, context, width, generator=generator).to(device, dtype)
     root = ids[:, -1]  # any token: only the costs count
     prompt = Prompt(ids, valid, hidden, root, None)
-    keep_nothing = torch.zeros(batch, 0, dtype=torch.long, device=device)
     no_rows = torch.zeros(batch, dtype=torch.long, device=device)
     none_going = no_rows.bool()
 
@@ -107,7 +106,7 @@ def measure_step_costs(mm, sizes=CANDIDATE_SIZES, context: int = 256, repeats: i
         if not time_verify:  # the drafting alone: any states of the pass's shape will do (only the costs count)
             return hidden[:, -1:].expand(-1, candidates.tree.num_nodes, -1).contiguous()
         _, verified = loop.verify(base, spec, slots, candidates, layers)
-        loop.commit(slots, keep_nothing, no_rows, none_going)
+        loop.commit(slots, 0, no_rows, none_going)
         return verified
 
     if dynamic:

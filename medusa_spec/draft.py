@@ -225,8 +225,7 @@ class DraftModelProposer(Proposer):
         # Keep [unseen, root, x_1 .. x_min(a, K-1)]; x_K, never fed, becomes next step's unseen token.
         accept_length, going = step.accept_length, step.going
         draft_kept = (torch.clamp(accept_length, max=k - 1) + 2) * going  # slots to keep, the unseen one included
-        keep = torch.arange(min(step.kept.shape[1], k) + 1, device=going.device).expand(going.shape[0], -1)
-        self.slots.commit(keep, draft_kept, (accept_length + 1) * going)
+        self.slots.commit(min(step.kept.shape[1], k) + 1, draft_kept, (accept_length + 1) * going)  # a chain, in place
         self.unseen, self.unseen_valid = self.draft_tokens[:, -1], (accept_length == k) & going
         if self.num_draft_tokens is None:
             # One pseudo-token each way (Laplace) keeps alpha inside (0, 1): one unlucky first step

@@ -94,18 +94,22 @@ def check_cache(cache: DynamicCache, expected_length: int) -> None:
                 f"medusa_spec needs every layer to keep all {expected_length} slots as a DynamicLayer")
 
 
-def keep_accepted(cache: DynamicCache, past_length: int, keep: torch.Tensor) -> None:
-    """Keep the first `past_length` slots, then for each row the tree slots `keep` [B, m]
-    (node indices into the block appended after `past_length`), gathered contiguously."""
-    kept = past_length + keep.shape[1]
-    index = (past_length + keep)[:, None, :, None]  # [B, 1, m, 1], broadcast over heads and head_dim
+def keep_accepted(cache: DynamicCache, past_length: int, keep: torch.Tensor | int) -> None:
+    """Keep the first `past_length` slots, then for each row the tree slots `keep` [B, m] (node indices into the
+    block appended after `past_length`), gathered contiguously; or, `keep` an int m, the block's first m slots where
+    they are (a chain's accepted tokens, a root alone: no copy)."""
+    in_place = isinstance(keep, int)
+    kept = past_length + (keep if in_place else keep.shape[1])
+    if not in_place:
+        index = (past_length + keep)[:, None, :, None]  # [B, 1, m, 1], broadcast over heads and head_dim
     for layer in cache.layers:
         for name in ("keys", "values"):
             states = getattr(layer, name)  # [B, kv_heads, S + N, head_dim]
-            gathered = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
-            # Written over the block's first slots in place and narrowed to a view: the past is not copied
-            # (the cache's next update concatenates into a new tensor anyway). A static layer (compiled's buffer)
-            # is left as it is: each pass sets the slots it attends to (compiled.BufferLayer.window).
-            states[:, :, past_length:kept] = gathered
+            if not in_place:
+                gathered = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
+                # Written over the block's first slots in place: the past is not copied.
+                states[:, :, past_length:kept] = gathered
+            # Narrowed to a view (the cache's next update concatenates into a new tensor anyway). A static layer
+            # (compiled's buffer) is left as it is: each pass sets the slots it attends to (BufferLayer.window).
             if not isinstance(layer, StaticLayer):
                 setattr(layer, name, states[:, :, :kept])

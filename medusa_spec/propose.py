@@ -292,7 +292,7 @@ class DraftLayerProposer(Proposer):
         mask = attention_masks(DRAFT_LAYER_SPEC, kv_valid, kv_pos, q_pos, causal, hidden.dtype)
         states = self.heads.features(hidden.gather(1, kept[:, :, None].expand(-1, -1, hidden.shape[-1])))
         outputs = self.draft_pass(states, self.embed(new_tokens), mask, q_pos, slots.cache)
-        slots.commit(offsets[: step.kept.shape[1]].expand(kept.shape[0], -1), n_kept, n_kept)
+        slots.commit(step.kept.shape[1], n_kept, n_kept)  # the block's first slots: the accepted path, in place
         self.slots = slots
         self.root_output = outputs.gather(1, step.accept_length[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0]
 

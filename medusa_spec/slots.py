@@ -75,18 +75,23 @@ class Slots:
         self.pos = torch.cat([self.pos, q_pos], dim=1)
         return q_pos, self.valid, self.pos
 
-    def commit(self, keep: torch.Tensor, n_kept: torch.Tensor, advance: torch.Tensor) -> None:
+    def commit(self, keep: torch.Tensor | int, n_kept: torch.Tensor, advance: torch.Tensor) -> None:
         """Keep the block's slots `keep` [B, m] (indices into the block, each row's accepted path first),
-        gathered contiguously; slot j of a row stays valid if j < n_kept [B] and it was valid. Rows that
+        gathered contiguously, or, `keep` an int m, its first m slots where they are (each row's slot j < n_kept
+        being the one to keep: a chain); slot j of a row stays valid if j < n_kept [B] and it was valid. Rows that
         kept fewer than m get invalid slots (sync points); next_pos moves on by advance [B] (0: a finished
         row stands still)."""
         keep_accepted(self.cache, self.past, keep)
-        offsets = torch.arange(keep.shape[1], device=keep.device)
-        block = slice(self.past, None)
-        kept_valid = self.valid[:, block].gather(1, keep) & (offsets < n_kept[:, None])
-        self.valid = torch.cat([self.valid[:, : self.past], kept_valid], dim=1)
-        self.pos = torch.cat([self.pos[:, : self.past], self.pos[:, block].gather(1, keep)], dim=1)
-        self.past += keep.shape[1]
+        if isinstance(keep, int):
+            m, block = keep, slice(self.past, self.past + keep)
+            kept_valid, kept_pos = self.valid[:, block], self.pos[:, block]
+        else:
+            m, block = keep.shape[1], slice(self.past, None)
+            kept_valid, kept_pos = self.valid[:, block].gather(1, keep), self.pos[:, block].gather(1, keep)
+        offsets = torch.arange(m, device=self.valid.device)
+        self.valid = torch.cat([self.valid[:, : self.past], kept_valid & (offsets < n_kept[:, None])], dim=1)
+        self.pos = torch.cat([self.pos[:, : self.past], kept_pos], dim=1)
+        self.past += m
         self.next_pos = self.next_pos + advance
 
     def select(self, rows: torch.Tensor) -> Slots:

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from medusa_spec import MedusaConfig, MedusaModel, generate_with_draft, generate_with_lookup
+from medusa_spec import slots as slots_module
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
 TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
@@ -177,6 +178,36 @@ def test_speculation_off_is_one_token_per_step():
     out = medusa(model).generate(ids, max_new_tokens=12, eos_token_id=[], tree=[])
     assert torch.equal(out.sequences, reference_generate(model, ids, max_new_tokens=12, eos_token_id=None))
     assert out.stats.steps == 12 and out.stats.tokens_per_step == 1.0
+
+
+def test_an_accepted_path_already_in_place_is_kept_without_copying_the_cache(monkeypatch):
+    """Where each row's accepted nodes are the block's first slots (speculation off: the root alone; a chain) the
+    commit keeps them where the verify pass wrote them (an int to keep_accepted: no gather of every layer's keys and
+    values); a path through a later sibling is gathered. The output is transformers' either way."""
+    model = tiny_model("llama")
+    ids = prompt(seed=1)
+    expected = reference_generate(model, ids, max_new_tokens=40, eos_token_id=None)
+    kept = []
+    real = slots_module.keep_accepted
+
+    def spy(cache, past, keep):
+        kept.append(keep)
+        real(cache, past, keep)
+
+    monkeypatch.setattr(slots_module, "keep_accepted", spy)
+    oracle = medusa(model, OracleHeads(model, expected))
+    runs = {"off": (medusa(model), []), "chain": (oracle, [[0], [0, 0], [0, 0, 0]]), "tree": (oracle, TREE)}
+    for name, (mm, tree) in runs.items():
+        kept.clear()
+        out = mm.generate(ids, max_new_tokens=40, eos_token_id=[], tree=tree)
+        assert torch.equal(out.sequences, expected), name
+        in_place = [k for k in kept if isinstance(k, int)]
+        if name == "off":
+            assert in_place == kept and set(in_place) == {1}
+        elif name == "chain":
+            assert in_place == kept and max(in_place) == 4, kept  # whole chains accepted, none copied
+        else:  # paths through node 2 ([1]) or past it are gathered; the root alone or with node 1 is not
+            assert in_place and len(in_place) < len(kept), kept
 
 
 def test_default_trees_and_eager_attention_are_exact():
