@@ -40,8 +40,12 @@ PROBE_ROWS = 4
 ADAPT_EVERY = 8
 PRIOR_ROW_STEPS = 16
 # generate(tree=None, compile=True)'s dynamic trees for eagle heads: at most this many nodes, a compiled block size
-# (compiled.BLOCK_SIZES), so that a step runs one of the few graphs of the sizes up to it.
+# (compiled.BLOCK_SIZES), so that a step runs one of the few graphs of the sizes up to it. Each block's verify pass and
+# the drafting are priced at the fastest of COMPILED_REPEATS runs: about a second, after minutes of compiling. With 2,
+# six pricings in one process put an 8-node step at 1.14-1.24x a 4-node one, with 8 at 1.19-1.31x, and the one-row
+# bench chose 4 nodes a step in one run and 7.4 in the next (experiments/2026-12-07-commit-in-place/NOTES.md).
 COMPILED_TREE_NODES = 8
+COMPILED_REPEATS = 8
 
 
 def expected_tokens_per_step(choices, rank_accuracy) -> float:
@@ -189,9 +193,9 @@ def compiled_dynamic_tree(mm, compiled: CompiledSteps, draft_seconds: dict[int, 
     chosen); by default timed here, through the compiled draft graphs (prepared), as the proposer runs."""
     most = min(nodes, dynamic_sizes(mm)[-1])
     blocks = tuple(sorted({block_size(n) for n in range(1, most + 1)}))
-    verify = measure_compiled_verify(mm, compiled, blocks)
+    verify = measure_compiled_verify(mm, compiled, blocks, repeats=COMPILED_REPEATS)
     if draft_seconds is None:
-        _, draft_seconds = measure_step_costs(mm, sizes=(most,), context=AUTO_CONTEXT, repeats=AUTO_REPEATS,
+        _, draft_seconds = measure_step_costs(mm, sizes=(most,), context=AUTO_CONTEXT, repeats=COMPILED_REPEATS,
                                               packs=packs, dynamic=True, time_verify=False, graphs=compiled.draft)
     draft = min(draft_seconds.values())
     step_ms = tuple(1000 * (verify[block_size(n)] + draft) for n in range(1, most + 1))

@@ -12,6 +12,17 @@ from test_model_untouched import module_state
 from tiny_models import ARCHITECTURES, tiny_model
 
 
+@pytest.fixture(autouse=True)
+def quick_kernels(request, monkeypatch):
+    """inductor's plain CPU kernels (weights frozen; no search among GEMM kernels, no C++ wrapper) for the tests of
+    what the loop does around its graphs, which then compile in a fraction of the time; the tests marked
+    shipped_kernels compile with the options generate uses (compiled.compile_options), on every architecture."""
+    if request.node.get_closest_marker("shipped_kernels") is None:
+        monkeypatch.setattr(compiled, "compile_options",
+                            lambda device, dtype: {"freezing": True} if device.type == "cpu" else {})
+
+
+@pytest.mark.shipped_kernels
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_compiled_greedy_equals_transformers_on_every_architecture(arch):
     """Speculation off (the 1-node graph) and a 7-node tree (the 8-node graph, padded) on one MedusaModel, over
@@ -74,9 +85,15 @@ def test_a_compiled_shape_never_compiles_again(monkeypatch):
 
 
 @pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
-def test_compiled_dynamic_trees_are_lossless_and_priced_by_the_compiled_graphs(head_type):
+def test_compiled_dynamic_trees_are_lossless_and_priced_by_the_compiled_graphs(head_type, monkeypatch):
+    """Each size is priced at its block's compiled pass plus drafting, each the fastest of COMPILED_REPEATS timings:
+    with 2, a busy moment moved the size chosen from run to run."""
     model = tiny_model("llama")
     mm = eagle_heads(model, num_heads=3, head_type=head_type, seed=1 if head_type == "eagle" else 2)
+    timings = []
+    fastest = autotree._fastest_seconds
+    monkeypatch.setattr(autotree, "_fastest_seconds",
+                        lambda fns, repeats, device: timings.append(repeats) or fastest(fns, repeats, device))
     ids = prompt(seed=6)[:, :10]
     text = reference_generate(model, ids, max_new_tokens=24, eos_token_id=None)
     for tree in (DynamicTree(6), None):  # 6 nodes: padded to the 8-node graph
@@ -84,6 +101,7 @@ def test_compiled_dynamic_trees_are_lossless_and_priced_by_the_compiled_graphs(h
         assert torch.equal(out.sequences, text), tree
     priced = next(iter(mm._trees.compiled_trees.values()))
     assert priced.nodes == 8 and len(priced.step_ms) == 8
+    assert timings == [autotree.COMPILED_REPEATS] * 2, timings  # the verify passes, then the drafting
     assert {shape[1] for shape in mm._compiled.shapes} == {1, 2, 4, 8}  # the only graphs its steps ran
     # Sizes 5..8 run one graph, the 8-node one, and 3..4 the 4-node one: with drafting free, they cost the same.
     free = autotree.compiled_dynamic_tree(mm, mm._compiled, {1: 0.0, 8: 0.0})
