@@ -163,16 +163,19 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
                 accept_length[:, None] > torch.arange(tree.max_depth, device=device)).masked_fill(
                 ~active[:, None], False).sum(0)
             count = writer.append(new_tokens, accept_length + 1)
+            going = ~writer.decoded_finished
+            # Whether each going row's accepted nodes are the block's first slots (a chain, a root alone): the
+            # commit then keeps them where the verify pass wrote them, with no copy of every layer's keys and values.
+            depths = torch.arange(path.shape[1], device=device)
+            in_place = ((path == depths) | (depths > accept_length[:, None]) | ~going[:, None]).all()
             # The one host sync of the step.
             width = new_tokens.shape[1]
-            going = ~writer.decoded_finished
             synced = torch.cat([count, accept_length, active.long(), going.long(), new_tokens.flatten(),
-                                path.flatten()]).tolist()
+                                in_place[None].long()]).tolist()
             counts, accept_lengths = synced[:batch], synced[batch: 2 * batch]
             going_rows = [bool(g) for g in synced[3 * batch: 4 * batch]]
             done = not any(going_rows)
-            host_tokens = synced[4 * batch: (4 + width) * batch]
-            host_path = synced[(4 + width) * batch:]
+            host_tokens, in_place = synced[4 * batch: -1], bool(synced[-1])
             emitted = [host_tokens[b * width: b * width + counts[b]] for b in range(batch)]
             longest = max(accept_lengths) + 1
             stats.steps += 1
@@ -184,10 +187,6 @@ def decode(base_model: nn.Module, spec: BaseSpec, proposer: Proposer, input_ids:
             # 5. Commit: keep each row's accepted path in the cache, then move the root forward. A finished row
             # stands still, and leaves the batch: a batch runs until its slowest row is done, and a finished row
             # would cost every later pass its share (compiled graphs keep it: their cache's rows are fixed).
-            # Where each going row's accepted nodes are the block's first (a chain, a root alone) they stay where
-            # the verify pass wrote them: no copy of every layer's keys and values.
-            in_place = all(host_path[b * width + j] == j for b in range(batch) if going_rows[b]
-                           for j in range(accept_lengths[b] + 1))
             commit(slots, longest if in_place else path[:, :longest], accept_length, going)
             root = bonus
             stream(streamer, new_tokens, counts[0])

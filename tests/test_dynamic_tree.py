@@ -401,7 +401,7 @@ def test_compiled_dynamic_trees_price_each_block_plus_one_drafting_figure(monkey
     timed: every size drafts the same levels, and a larger timing was a busy moment."""
     mm = eagle_heads(tiny_model("llama"), num_heads=3)
     verify = {1: 0.020, 2: 0.021, 4: 0.025, 8: 0.033}
-    monkeypatch.setattr(autotree, "measure_compiled_verify", lambda mm, compiled, blocks: verify)
+    monkeypatch.setattr(autotree, "measure_compiled_verify", lambda mm, compiled, blocks, repeats: verify)
     tree = autotree.compiled_dynamic_tree(mm, None, {1: 0.012, 2: 0.003, 8: 0.004})
     assert tree.nodes == 8
     assert [round(ms, 6) for ms in tree.step_ms] == [23.0, 24.0, 28.0, 28.0, 36.0, 36.0, 36.0, 36.0]
