@@ -148,11 +148,14 @@ GQA_SDPA = "medusa_spec_gqa_sdpa"
 def gqa_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention; a masked query of several rows attends to the key/value heads in place."""
+    """transformers' sdpa attention; a masked query attends to the key/value heads in place. One query row eagerly
+    goes transformers' way, which folds the group into the row; inside a graph being compiled transformers copies
+    every key and value head once per query head of its group instead (`repeat_kv`): a one-node compiled verify pass
+    of SmolLM2-135M spent about 2 ms of its 22-26 in that copy (experiments/2026-12-07-verify-profile/NOTES.md)."""
     extras = ("softcap", "position_bias", "output_attentions")
-    plain = (query.shape[2] == 1 or attention_mask is None or query.shape[1] == key.shape[1]
-             or any(kwargs.get(name) not in (None, False) for name in extras))
-    if plain:  # one row (transformers folds the group into it), a causal flag, one head per group, or extras
+    plain = ((query.shape[2] == 1 and not torch.compiler.is_compiling()) or attention_mask is None
+             or query.shape[1] == key.shape[1] or any(kwargs.get(name) not in (None, False) for name in extras))
+    if plain:  # one row eagerly, a causal flag, one head per group, or extras
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,

@@ -186,6 +186,31 @@ def test_copy_attends_to_grouped_keys_in_place_and_leaves_the_config_alone(monke
     assert len({id(m.config) for m in layers}) == 1 and layers[0].config is not model.config
 
 
+def test_a_compiled_one_row_pass_attends_to_grouped_keys_in_place(monkeypatch):
+    """Traced for a graph (torch.compile), a one-row query of the copy attends to the key/value heads without
+    transformers' repeat_kv copy, which transformers takes there (eagerly it folds the group into the row): the
+    same logits as the model's eager pass."""
+    from transformers.integrations import sdpa_attention
+
+    model = tiny_model("llama")  # 4 query heads over 2 key/value heads
+    ids = torch.randint(3, VOCAB, (1, 7))
+    mask = torch.ones(1, 1, 1, 7, dtype=torch.bool)
+    mask[..., 2] = False  # a masked slot: transformers' sdpa path keeps the mask, as in a verify pass over a buffer
+    with torch.no_grad():
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        expected = model(ids[:, 6:], cache=copy.deepcopy(cache), attention_mask=mask).logits
+        repeats = []
+        original = sdpa_attention.repeat_kv
+        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(1) or original(*a))
+        layers = columnwise_copy(model, eval_mode=True, linears=False)
+        torch._dynamo.reset()
+        got = torch.compile(lambda i, c: layers(i, cache=c, attention_mask=mask).logits, backend="eager",
+                            fullgraph=False)(ids[:, 6:], copy.deepcopy(cache))
+        torch._dynamo.reset()
+    assert not repeats
+    torch.testing.assert_close(got, expected)
+
+
 def test_training_runs_a_frozen_base_through_the_fast_kernels_and_a_trained_one_through_autograd(monkeypatch):
     from medusa_spec.train.module import TrainModule
 
