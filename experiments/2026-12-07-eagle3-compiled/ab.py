@@ -6,7 +6,10 @@ graphs compile once. A training job (`medusa-spec train`) is stopped (SIGSTOP) f
 while the graphs compile.
 
     MEDUSA_SPEC_STEP_COSTS=0 python experiments/2026-12-07-eagle3-compiled/ab.py \
-        --heads heads/smollm2-135m-instruct heads/smollm2-135m-instruct-eagle3 --output DIR
+        --heads heads/smollm2-135m-instruct heads/smollm2-135m-instruct-eagle3 --output DIR [--gguf FILE]
+
+--gguf (added in the fifteenth session, ../2026-12-07-verify-profile/): llama.cpp's plain greedy decoding of that file
+as one more method, "llama.cpp" (bench's llama_cpp).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 
 from medusa_spec import MedusaModel, default_model
-from medusa_spec.bench import MT_BENCH, encode, read_eval_prompts, run_method
+from medusa_spec.bench import MT_BENCH, LlamaCpp, encode, eos_ids, read_eval_prompts, run_method
 from medusa_spec.train.load import load_model_and_tokenizer
 
 SETS = {"mt-bench": MT_BENCH, "other-tasks": MT_BENCH.with_name("other_tasks_question.jsonl")}
@@ -41,10 +44,10 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def run(method: str, models: dict, ids: torch.Tensor, max_new_tokens: int) -> dict:
+def run(method: str, models: dict, ids: torch.Tensor, max_new_tokens: int, llama: LlamaCpp | None = None) -> dict:
     first = next(iter(models.values()))
-    name = {"transformers": "hf_greedy", "off": "medusa_off"}.get(method, "medusa_greedy")
-    return run_method(name, models.get(method, first), ids, max_new_tokens, None, compile=True)
+    name = {"transformers": "hf_greedy", "off": "medusa_off", "llama.cpp": "llama_cpp"}.get(method, "medusa_greedy")
+    return run_method(name, models.get(method, first), ids, max_new_tokens, None, llama=llama, compile=True)
 
 
 def summarise(records: list[dict], methods: list[str]) -> dict:
@@ -80,16 +83,18 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--output", required=True)
+    parser.add_argument("--gguf", default=None, help="a GGUF of the same weights: llama.cpp as one more method")
     args = parser.parse_args()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     base, tokenizer = load_model_and_tokenizer(str(default_model.prepare()))
     models = {Path(h).name: MedusaModel.from_pretrained(base, h) for h in args.heads}
-    methods = ["transformers", "off", *models]
+    methods = ["transformers", "off", *models] + (["llama.cpp"] if args.gguf else [])
+    llama = LlamaCpp(args.gguf, 4096, torch.get_num_threads(), eos_ids(base)) if args.gguf else None
     # Untimed: every graph (verify blocks, draft layers) compiles and every tree size is priced at the first calls.
     warm = encode(tokenizer, "Hello")
     for method in methods:
-        run(method, models, warm, 4)
+        run(method, models, warm, 4, llama)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for name in args.sets:
         prompts = read_eval_prompts([str(SETS[name])], args.per_category)
@@ -101,7 +106,7 @@ def main() -> None:
                 ids = encode(tokenizer, text)
                 row = {"category": category}
                 for method in methods[i % len(methods):] + methods[: i % len(methods)]:
-                    r = run(method, models, ids, args.max_new_tokens)
+                    r = run(method, models, ids, args.max_new_tokens, llama)
                     r["sequence"] = r["sequence"].tolist()
                     row[method] = r
                 for method in methods[1:]:
@@ -116,6 +121,7 @@ def main() -> None:
         meta = {"commit": commit, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "compile": True, "prompts": SETS[name].name, "per_category": args.per_category,
                 "max_new_tokens": args.max_new_tokens, "heads": [str(h) for h in args.heads],
+                "gguf": Path(args.gguf).name if args.gguf else None,
                 "training_job_paused": bool(paused)}
         (out / f"{name}.json").write_text(json.dumps({"meta": meta, "summary": summary, "records": records},
                                                      indent=1) + "\n")
