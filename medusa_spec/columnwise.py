@@ -150,8 +150,8 @@ def gqa_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                        **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention; a masked query attends to the key/value heads in place. One query row eagerly
     goes transformers' way, which folds the group into the row; inside a graph being compiled transformers copies
-    every key and value head once per query head of its group instead (`repeat_kv`): a one-node compiled verify pass
-    of SmolLM2-135M spent about 2 ms of its 22-26 in that copy (experiments/2026-12-07-verify-profile/NOTES.md)."""
+    every key and value head once per query head of its group instead (`repeat_kv`): SmolLM2-135M's one-node compiled
+    verify pass took 23.4-23.7 ms with that copy, 18.7-20.0 without (experiments/2026-12-07-verify-profile/NOTES.md)."""
     extras = ("softcap", "position_bias", "output_attentions")
     plain = ((query.shape[2] == 1 and not torch.compiler.is_compiling()) or attention_mask is None
              or query.shape[1] == key.shape[1] or any(kwargs.get(name) not in (None, False) for name in extras))
