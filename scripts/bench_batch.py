@@ -10,11 +10,13 @@ batch size and each of `tree=None` (the library's default) and `tree=[]`, in thi
 - first call, costs on disk: the same, in a process after the one that timed them (cost_cache: read, not timed);
 - new batch size: a MedusaModel that has run one call at batch 1, its first call at that batch size (issue 57: tree=None
   must not time anything again here);
-- warm: `--rounds` calls each, alternating with transformers' greedy `generate` on the same batch.
-Every row is checked token-identical to transformers'. Prints tokens/s (all rows' new tokens / seconds) and the
-tree=None / tree=[] ratio of each. Without `--model`, SmolLM2-135M-Instruct and its shipped heads. Run it with nothing
-else on the machine (`uptime`: a load average well under 1 on the cores it uses), else the figures are not
-measurements.
+- warm: a call on a MedusaModel that has run this batch before, beside transformers' greedy `generate` on it.
+Each kind runs `--rounds` times, the two arms in turn and in the other order every round: on this project's 2-core
+VMs two arms of identical work differ by up to 10% in one run, and a machine that slows down over a run would favour
+whichever arm always ran first. Every row is checked token-identical to transformers'. Prints tokens/s (all rows' new
+tokens / seconds, over the rounds) and the tree=None / tree=[] ratio of each. Without `--model`, SmolLM2-135M-Instruct
+and its shipped heads. Run it with nothing else on the machine (`uptime`: a load average well under 1 on the cores it
+uses), else the figures are not measurements.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def costs_on_disk(on: bool):
             os.environ["MEDUSA_SPEC_STEP_COSTS"] = before
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a causal LM folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", default=None, help="heads folder (default: the shipped heads)")
@@ -57,7 +59,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=Path, default=MT_BENCH)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     path = args.model or default_model.prepare()
     heads = args.heads or str(default_model.shipped_heads())
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
@@ -80,12 +82,7 @@ def main() -> None:
         return time.perf_counter() - start, out
 
     print(f"{Path(path).name}, heads {Path(heads).name}; {args.prompts.name}; {args.max_new_tokens} new tokens; "
-          f"{args.rounds} warm rounds")
-    warmed_at_one = {}
-    for name, tree in METHODS.items():  # the MedusaModels of 'new batch size': one call at batch 1 first
-        warmed_at_one[name] = MedusaModel.from_pretrained(model, heads)
-        with costs_on_disk(True):  # they time the step costs, or read them, and keep them on disk
-            run(warmed_at_one[name], encode(1), tree)
+          f"{args.rounds} rounds")
     for rows in args.batches:
         batch = encode(rows)
         seconds = {(kind, name): 0.0 for kind in KINDS for name in METHODS}
@@ -93,27 +90,38 @@ def main() -> None:
         identical, checked, sizes = dict.fromkeys(METHODS, 0), 0, []
         reference_seconds = 0.0
         warm = {name: MedusaModel.from_pretrained(model, heads) for name in METHODS}
-        for name, tree in METHODS.items():
-            with costs_on_disk(False):
-                seconds["first call", name], out = run(warm[name], batch, tree)  # fresh: this is its first call
-            new["first call", name] = sum(out.stats.new_tokens)
-            with costs_on_disk(True):
-                seconds["first call, costs on disk", name], out = run(MedusaModel.from_pretrained(model, heads),
-                                                                      batch, tree)
-            new["first call, costs on disk", name] = sum(out.stats.new_tokens)
-            seconds["new batch size", name], out = run(warmed_at_one[name], batch, tree)
-            new["new batch size", name] = sum(out.stats.new_tokens)
-        for _ in range(args.rounds):
+        for name, tree in METHODS.items():  # its first call at this batch size; the rounds' calls are warm ones
+            with costs_on_disk(True):  # reads the step costs, or times them and keeps them for the kinds below
+                run(warm[name], batch, tree)
+
+        def timed(kind: str, name: str, mm: MedusaModel):
+            elapsed, out = run(mm, batch, METHODS[name])
+            seconds[kind, name] += elapsed
+            new[kind, name] += sum(out.stats.new_tokens)
+            return out
+
+        for round_ in range(args.rounds):
+            names = list(METHODS) if round_ % 2 == 0 else list(reversed(METHODS))
+            for name in names:
+                with costs_on_disk(False):
+                    timed("first call", name, MedusaModel.from_pretrained(model, heads))  # timed inside: fresh
+            for name in names:
+                with costs_on_disk(True):
+                    timed("first call, costs on disk", name, MedusaModel.from_pretrained(model, heads))
+            if rows > 1:
+                for name in names:
+                    at_one = MedusaModel.from_pretrained(model, heads)
+                    with costs_on_disk(True):  # the one-row call reads the step costs (or times and keeps them)
+                        run(at_one, encode(1), METHODS[name])
+                    timed("new batch size", name, at_one)
             start = time.perf_counter()
             with torch.inference_mode():
                 reference = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
                                            pad_token_id=pad)
             reference_seconds += time.perf_counter() - start
             checked += rows
-            for name, tree in METHODS.items():
-                elapsed, out = run(warm[name], batch, tree)
-                seconds["warm", name] += elapsed
-                new["warm", name] += sum(out.stats.new_tokens)
+            for name in names:
+                out = timed("warm", name, warm[name])
                 width = min(reference.shape[1], out.sequences.shape[1])
                 identical[name] += sum(torch.equal(a[:width], b[:width]) for a, b in zip(reference, out.sequences))
                 if name == "tree=None":
@@ -123,7 +131,7 @@ def main() -> None:
               + ", ".join(f"{name} {identical[name]}/{checked} rows identical" for name in METHODS))
         for kind in KINDS:
             if kind == "new batch size" and rows == 1:
-                continue  # the batch-1 call before was its first: these calls are warm ones
+                continue  # a call at batch 1 after one at batch 1 is a warm one
             rates = {name: new[kind, name] / seconds[kind, name] for name in METHODS}
             print(f"  {kind:>25}: " + "  ".join(f"{name} {rate:7.1f} tok/s" for name, rate in rates.items())
                   + f"  tree=None / tree=[] {rates['tree=None'] / rates['tree=[]']:.2f}x")
