@@ -50,6 +50,10 @@ LAYER_FAMILIES = {
 # An eagle3 MedusaConfig's draft_layer: speculators' own fields for the draft's layers, under speculators' names.
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 SPEC_KEYS = ("transformer_layer_config", *NORM_FLAGS)
+# The norm flags speculators' trainer gives a new EAGLE-3 draft (0.9.0's train/config/schema.py; its model config,
+# like a config.json without them, has them all off): a norm before fc, a normed residual and normed outputs fed
+# to the next level.
+TRAINER_NORMS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
 
 
 def default_feature_layers(num_layers: int) -> list[int]:

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from draft_folders import edited_copy, shifted
 from medusa_spec import MedusaConfig, MedusaModel
+from medusa_spec.eagle3 import TRAINER_NORMS
 from medusa_spec.formats import convert, detect_format
 from medusa_spec.train.loop import train
 from test_dependent_heads import TREE, pair_accuracy, pair_data, random_heads  # noqa: F401 (fixture)
@@ -140,7 +141,7 @@ def test_teacher_forced_drafts_needs_heads_that_draft_by_level():
 
 # --- decoding -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama-norm-before-residual", "llama-full-vocab-2-layers"])
+@pytest.mark.parametrize("name", ["llama-norm-before-residual", "llama-full-vocab-2-layers", "llama-trainer-norms"])
 def test_reference_drafts_decode_losslessly_in_every_mode(verifier, name):
     """A speculators draft, loaded as it is: one row on a dynamic tree (tree=None), a left-padded batch on a static
     tree, and with a lookup chain: transformers' greedy text each time."""
@@ -178,6 +179,8 @@ def test_eagle3_heads_learn_what_plain_heads_cannot_and_export(pair_data, tmp_pa
                               max_steps=120, max_length=96, eval_examples=4, feature_layers=[0, 1]))
     config = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())
     assert (config["head_type"], config["share_lm_head"], config["feature_layers"]) == ("eagle3", False, [0, 1])
+    # The norms speculators' trainer gives a new draft (its train/config/schema.py), not its model config's (all off).
+    assert {flag: config["draft_layer"][flag] for flag in TRAINER_NORMS} == TRAINER_NORMS
     assert len(summary["eval"]["rank_accuracy"]) == 2
     accuracy = [pair_accuracy(tmp_path / "heads", base, tokenizer, head) for head in (0, 1)]
     assert min(accuracy) > 0.7, accuracy
@@ -187,11 +190,34 @@ def test_eagle3_heads_learn_what_plain_heads_cannot_and_export(pair_data, tmp_pa
     convert(tmp_path / "heads", tmp_path / "speculators", to="speculators", base_model=base_model)
     meta = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert meta["speculators_model_type"] == "eagle3" and meta["draft_vocab_size"] == 20
+    assert {flag: meta[flag] for flag in TRAINER_NORMS} == TRAINER_NORMS
+    assert "input_norm.weight" in load_file(tmp_path / "speculators" / "model.safetensors")
     assert meta["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
     ours = MedusaModel.from_pretrained(base_model, tmp_path / "heads")
     back = MedusaModel.from_pretrained(base_model, tmp_path / "speculators")
     ids = torch.tensor(tokenizer("count from w1 w3 w5 w7")["input_ids"])
     assert torch.equal(ours.teacher_forced_drafts(ids), back.teacher_forced_drafts(ids))
+
+
+def test_eagle3_norm_flags_shape_new_heads_and_are_refused_where_they_mean_nothing(pair_data, tmp_path):  # noqa: F811
+    """--fc-norm, --no-norm-output... as speculators' trainer takes them; on other heads, or against the norms of
+    heads trained on (--init-heads), they are refused by name."""
+    base, data, _ = pair_data
+    run = dict(head_type="eagle3", num_heads=2, draft_vocab=20, max_steps=2, max_length=96, eval_examples=4)
+    train(small_run(base, data, tmp_path / "heads", fc_norm=True, norm_output=False, **run))
+    config = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())
+    assert {flag: config["draft_layer"][flag] for flag in TRAINER_NORMS} == {
+        "norm_before_residual": True, "norm_before_fc": False, "fc_norm": True, "norm_output": False}
+    with pytest.raises(ValueError, match="--norm-before-fc and --fc-norm exclude each other"):
+        small_run(base, data, tmp_path / "both", norm_before_fc=True, fc_norm=True, **run)
+    with pytest.raises(ValueError, match="--no-norm-output: speculators' norm flags shape eagle3 heads only"):
+        small_run(base, data, tmp_path / "medusa", norm_output=False)
+    with pytest.raises(ValueError, match="its heads have --fc-norm, but --no-fc-norm was given"):
+        train(small_run(base, data, tmp_path / "on", init_heads=str(tmp_path / "heads"), fc_norm=False, max_steps=1))
+    train(small_run(base, data, tmp_path / "medusa", num_heads=2, max_steps=1, max_length=96, eval_examples=4))
+    with pytest.raises(ValueError, match="--norm-output shape eagle3 heads only, and these are medusa heads"):
+        train(small_run(base, data, tmp_path / "on2", init_heads=str(tmp_path / "medusa"), norm_output=True,
+                        max_steps=1))
 
 
 def test_eagle3_settings_are_named():

@@ -1296,6 +1296,30 @@ def test_resume_reads_a_checkpoint_written_before_output_dir_became_output(tmp_p
         load_checkpoint(accelerator, tmp_path, {"output": "runs/old", "lr": 0.002})
 
 
+def test_an_eagle3_checkpoint_from_before_the_norm_flags_resumes_with_them_off(tmp_path):
+    """eagle3 heads trained with speculators' norms all off until `train` took its trainer's defaults: a checkpoint
+    written before has no such settings. Resumed with today's defaults the change is named; with them off, as they
+    were, it resumes. Other heads, which have none, resume as before."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from medusa_spec.train.checkpoint import STATE, load_checkpoint
+
+    loaded = []
+    accelerator = SimpleNamespace(distributed_type=DistributedType.NO, load_state=lambda path, **_: loaded.append(path))
+    (tmp_path / STATE).write_text(json.dumps({"step": 7, "config": {"head_type": "eagle3", "lr": 0.001}}))
+    today = TrainConfig(data=["d"], output="o", head_type="eagle3", lr=0.001).eagle3_norms()
+    with pytest.raises(ValueError, match="norm_before_fc: False -> True"):
+        load_checkpoint(accelerator, tmp_path, {"head_type": "eagle3", "lr": 0.001, **today})
+    off = TrainConfig(data=["d"], output="o", head_type="eagle3", lr=0.001, norm_before_fc=False,
+                      norm_before_residual=False, norm_output=False).eagle3_norms()
+    assert load_checkpoint(accelerator, tmp_path, {"head_type": "eagle3", "lr": 0.001, **off}) == 7 and loaded
+    (tmp_path / STATE).write_text(json.dumps({"step": 3, "config": {"head_type": "medusa", "lr": 0.001}}))
+    medusa = TrainConfig(data=["d"], output="o", lr=0.001).eagle3_norms()
+    assert load_checkpoint(accelerator, tmp_path, {"head_type": "medusa", "lr": 0.001, **medusa}) == 3
+
+
 # ---------------------------------------------------------------- distillation through a server
 
 

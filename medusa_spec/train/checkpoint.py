@@ -16,6 +16,8 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
+from ..eagle3 import NORM_FLAGS
+
 CHECKPOINTS, LATEST, STATE = "checkpoints", "latest", "trainer_state.json"
 DATA_FINGERPRINT = "data_fingerprint"  # beside the settings in a checkpoint's config: loop.train's hash of the rows
 # Settings that may differ on --resume without changing the weights reached (eval_ranks was top_k in checkpoints
@@ -72,6 +74,14 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return path
 
 
+def _saved(config: dict, key: str):
+    """A setting of a checkpoint's config. speculators' norm flags came later: eagle3 heads trained before them had
+    them all off, so such a checkpoint resumes with them off and names them if they are not."""
+    if key not in config and key in NORM_FLAGS and config.get("head_type") == "eagle3":
+        return False
+    return config.get(key)
+
+
 def load_checkpoint(accelerator, path: Path, config: dict) -> int:
     """Restore the state saved in `path` (refusing a different config); returns its step."""
     state = json.loads((path / STATE).read_text())
@@ -79,9 +89,9 @@ def load_checkpoint(accelerator, path: Path, config: dict) -> int:
     rows = config.get(DATA_FINGERPRINT)
     config = {k: v for k, v in config.items() if k != DATA_FINGERPRINT}
     changed = sorted(k for k in set(config) | set(state["config"])
-                     if k not in RESUMABLE_CHANGES and config.get(k) != state["config"].get(k))
+                     if k not in RESUMABLE_CHANGES and config.get(k) != _saved(state["config"], k))
     if changed:  # first: a setting that changes the rows is named, not blamed on the data
-        diff = ", ".join(f"{k}: {state['config'].get(k)!r} -> {config.get(k)!r}" for k in changed)
+        diff = ", ".join(f"{k}: {_saved(state['config'], k)!r} -> {config.get(k)!r}" for k in changed)
         raise ValueError(f"--resume: the settings differ from those of {path} ({diff}); resume with the same "
                          f"settings, or train into a new --output")
     if saved is not None and saved != rows:

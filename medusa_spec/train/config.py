@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import HEAD_TYPES
+from ..eagle3 import NORM_FLAGS, TRAINER_NORMS
 from .fields import head_defaults, head_option, option, shared
 
 
@@ -57,6 +58,21 @@ class TrainConfig:
                                                    "alone (default: speculators' 2, N/2, N-3 of N layers)")
     draft_layer_mlp: int | None = option(None, "eagle heads: the draft layer's MLP width (a narrower one drafts "
                                          "faster on CPUs); default: the base model's")
+    # speculators' own flags for an EAGLE-3 draft's norms, under its names. Left out, new eagle3 heads take its
+    # trainer's defaults (eagle3.TRAINER_NORMS), not its model config's (all off): the auxiliary states fc reads
+    # differ in scale by far (SmolLM2-135M: RMS 3, 7 and 20 at layers 2, 15 and 27, single channels near 450).
+    norm_before_fc: bool | None = option(None, "eagle3: one RMS norm over the concatenated auxiliary states before "
+                                         "fc (speculators' --norm-before-fc); left out: on for new eagle3 heads "
+                                         "(off with --fc-norm), as speculators trains them; with --init-heads, "
+                                         "theirs")
+    fc_norm: bool | None = option(None, "eagle3: an RMS norm of each auxiliary state before fc instead (EAGLE-3.1, "
+                                  "speculators' --fc-norm); left out: off for new eagle3 heads")
+    norm_before_residual: bool | None = option(None, "eagle3: the first layer's residual stream starts at the normed "
+                                               "state (speculators' --norm-before-residual); left out: on for new "
+                                               "eagle3 heads, as speculators trains them")
+    norm_output: bool | None = option(None, "eagle3: a deeper level reads the normed output of the level before "
+                                      "(speculators' --norm-output); left out: on for new eagle3 heads, as "
+                                      "speculators trains them")
     draft_vocab: int | None = option(None, "heads score only the N most frequent answer tokens of the training data "
                                      "(a token map saved with them); default: the full vocabulary")
     init_heads: str | None = option(None, "start from the heads of a saved adapter (this library's format, the "
@@ -174,9 +190,28 @@ class TrainConfig:
                              f"drop them")
         if self.head_type == "dflash":
             self._check_dflash()
+        norms = [f"--{'' if value else 'no-'}{name.replace('_', '-')}" for name, value in self.eagle3_norms().items()
+                 if value is not None]
+        if norms and self.head_type not in ("eagle3", None):
+            raise ValueError(f"{', '.join(norms)}: speculators' norm flags shape eagle3 heads only; add --head-type "
+                             f"eagle3, or drop them")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("--norm-before-fc and --fc-norm exclude each other (speculators refuses both): one norm "
+                             "over all the auxiliary states, or one per state; give one of them")
+        if self.head_type == "eagle3" and self.init_heads is None:
+            # New heads: the flags left out as speculators' trainer sets them (with --fc-norm, no norm before fc: the
+            # two exclude each other). Set here, so that a checkpoint records them and --resume compares them.
+            defaults = {**TRAINER_NORMS, "norm_before_fc": TRAINER_NORMS["norm_before_fc"] and not self.fc_norm}
+            for name in NORM_FLAGS:
+                if getattr(self, name) is None:
+                    setattr(self, name, defaults[name])
         if self.draft_layer_mlp is not None and (self.head_type not in ("eagle", None) or self.draft_layer_mlp < 1):
             raise ValueError(f"--draft-layer-mlp sets the width of eagle heads' draft layer: use it with --head-type "
                              f"eagle and a width >= 1, got {self.draft_layer_mlp} with --head-type {self.head_type}")
+
+    def eagle3_norms(self) -> dict[str, bool | None]:
+        """speculators' norm flags (None: left out, for heads other than new eagle3 ones)."""
+        return {name: getattr(self, name) for name in NORM_FLAGS}
 
     def _changed(self, *names: str) -> list[str]:
         """The flags of `names` given values other than their defaults."""

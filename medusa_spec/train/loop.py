@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from peft import LoraConfig, get_peft_model
 
-from .. import default_model
+from .. import default_model, eagle3
 from ..base import inspect_base_model
 from ..config import CONFIG_NAME, MedusaConfig
 from ..eagle import draft_layer_shape
@@ -156,10 +156,14 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.init_heads is not None:
         medusa, cfg = continued_heads(base_model, cfg, accelerator.print)
     else:
-        draft_layer = None  # eagle heads: the base's shape (MedusaModel.from_base), unless the MLP width is set
+        # eagle heads: the base's shape (MedusaModel.from_base), unless the MLP width is set; eagle3 heads: the
+        # base's shape too, with the norms speculators' trainer gives a new draft unless flags say otherwise.
+        draft_layer, text_config = None, base_model.config.get_text_config(decoder=True)
         if cfg.draft_layer_mlp is not None:
-            draft_layer = {**draft_layer_shape(base_model.config.get_text_config(decoder=True), spec.hidden_size),
-                           "intermediate_size": cfg.draft_layer_mlp}
+            draft_layer = {**draft_layer_shape(text_config, spec.hidden_size), "intermediate_size": cfg.draft_layer_mlp}
+        if cfg.head_type == "eagle3":
+            draft_layer = {**eagle3.default_spec(text_config, spec.hidden_size, spec.vocab_size, cfg.num_layers),
+                           **cfg.eagle3_norms()}
         medusa = MedusaModel.from_base(base_model, MedusaConfig(
             num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
             head_type=cfg.head_type, draft_vocab_size=cfg.draft_vocab, context_heads=cfg.context_heads,
@@ -321,6 +325,14 @@ def continued_heads(base_model, cfg: TrainConfig, say=print) -> tuple[MedusaMode
               "head_type": config.head_type, "draft_vocab": config.draft_vocab_size,
               "context_heads": config.context_heads, "feature_layers": list(config.feature_layers),
               "draft_layer_mlp": draft_layer_mlp}
+    if config.head_type == "eagle3":
+        theirs.update({name: config.draft_layer[name] for name in cfg.eagle3_norms()})
+    else:
+        given = [_typed("--" + name.replace("_", "-"), value) for name, value in cfg.eagle3_norms().items()
+                 if value is not None]
+        if given:
+            raise ValueError(f"--init-heads {path}: {', '.join(given)} shape eagle3 heads only, and these are "
+                             f"{config.head_type} heads; drop them")
     # What the heads take on, each new weight starting so that the grown heads begin as exactly the old ones (same
     # guesses) and only learn what is added: feature fusion (a projection of the lower layers' states, added to the
     # final one, at zero), residual blocks after theirs (x + SiLU(0) = x), and heads after theirs (see _new_heads).
