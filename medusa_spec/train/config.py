@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..config import HEAD_TYPES
 from ..eagle3 import NORM_FLAGS, TRAINER_NORMS
-from .fields import head_defaults, head_option, option, shared
+from .fields import head_defaults, head_option, option, shared, typed
 
 
 @dataclass
@@ -190,11 +190,9 @@ class TrainConfig:
                              f"drop them")
         if self.head_type == "dflash":
             self._check_dflash()
-        norms = [f"--{'' if value else 'no-'}{name.replace('_', '-')}" for name, value in self.eagle3_norms().items()
-                 if value is not None]
-        if norms and self.head_type not in ("eagle3", None):
-            raise ValueError(f"{', '.join(norms)}: speculators' norm flags shape eagle3 heads only; add --head-type "
-                             f"eagle3, or drop them")
+        if self.norms_given() and self.head_type not in ("eagle3", None):
+            raise ValueError(f"{', '.join(self.norms_given())}: speculators' norm flags shape eagle3 heads only; add "
+                             f"--head-type eagle3, or drop them")
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("--norm-before-fc and --fc-norm exclude each other (speculators refuses both): one norm "
                              "over all the auxiliary states, or one per state; give one of them")
@@ -212,6 +210,11 @@ class TrainConfig:
     def eagle3_norms(self) -> dict[str, bool | None]:
         """speculators' norm flags (None: left out, for heads other than new eagle3 ones)."""
         return {name: getattr(self, name) for name in NORM_FLAGS}
+
+    def norms_given(self) -> list[str]:
+        """The norm flags set, as typed (["--no-norm-output"])."""
+        return [typed("--" + name.replace("_", "-"), value) for name, value in self.eagle3_norms().items()
+                if value is not None]
 
     def _changed(self, *names: str) -> list[str]:
         """The flags of `names` given values other than their defaults."""

@@ -32,3 +32,10 @@ def _field(default, metadata: dict):
     if isinstance(default, list):  # a fresh list per instance
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def typed(flag: str, value) -> str:
+    """A setting as it is typed: --share-lm-head / --no-share-lm-head for a switch, else the flag and its value."""
+    if isinstance(value, bool):
+        return flag if value else flag.replace("--", "--no-", 1)
+    return f"{flag} {value}"

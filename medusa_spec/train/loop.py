@@ -41,6 +41,7 @@ from .data import Example, collate, make_rows, read_conversations, tokenize_conv
 from .distill import model_identity
 from .draft_vocab import answer_token_counts, coverage, draft_index, frequent_tokens
 from .evaluate import evaluate
+from .fields import typed
 from .hidden_cache import fingerprint, open_hidden_cache, reset_if_stale
 from .load import load_model_and_tokenizer
 from .loss import kl_to_teacher, shifted_cross_entropy
@@ -328,8 +329,7 @@ def continued_heads(base_model, cfg: TrainConfig, say=print) -> tuple[MedusaMode
     if config.head_type == "eagle3":
         theirs.update({name: config.draft_layer[name] for name in cfg.eagle3_norms()})
     else:
-        given = [_typed("--" + name.replace("_", "-"), value) for name, value in cfg.eagle3_norms().items()
-                 if value is not None]
+        given = cfg.norms_given()
         if given:
             raise ValueError(f"--init-heads {path}: {', '.join(given)} shape eagle3 heads only, and these are "
                              f"{config.head_type} heads; drop them")
@@ -352,12 +352,12 @@ def continued_heads(base_model, cfg: TrainConfig, say=print) -> tuple[MedusaMode
             flag = "--" + name.replace("_", "-")
             more = {"num_layers": " (fewer residual blocks than theirs: give more, or as many)",
                     "num_heads": " (fewer heads than theirs: give more, or as many)"}.get(name, "")
-            raise ValueError(f"--init-heads {path}: its heads have {_typed(flag, value)}, but {_typed(flag, given)} "
+            raise ValueError(f"--init-heads {path}: its heads have {typed(flag, value)}, but {typed(flag, given)} "
                              f"was given{more}; leave {flag} out (of the command line and any --config recipe) to "
                              f"train them on as they are, or drop --init-heads to train new heads")
     if grow:
         say(f"--init-heads {path}: growing the heads to " + ", ".join(
-            f"{_typed('--' + name.replace('_', '-'), value)} (theirs: {theirs[name]})" for name, value in grow.items()))
+            f"{typed('--' + name.replace('_', '-'), value)} (theirs: {theirs[name]})" for name, value in grow.items()))
         theirs.update(grow)
         medusa = grown_heads(base_model, medusa, grow)
     medusa.config = dataclasses.replace(medusa.config, tree=None)
@@ -389,13 +389,6 @@ def _new_heads(heads, old_heads: int) -> None:
     for module in (heads.blocks, heads.lm_heads):
         for k in range(old_heads, len(module) if module is not None else 0):
             module[k].load_state_dict(module[old_heads - 1].state_dict())
-
-
-def _typed(flag: str, value) -> str:
-    """A setting as it is typed: --share-lm-head / --no-share-lm-head for a switch, else the flag and its value."""
-    if isinstance(value, bool):
-        return flag if value else flag.replace("--", "--no-", 1)
-    return f"{flag} {value}"
 
 
 def _added_block(name: str, old_layers: int) -> bool:
